@@ -1,0 +1,39 @@
+"""Error types. Each also inherits the builtin a caller would naturally catch."""
+
+from __future__ import annotations
+
+
+class HsstoreError(Exception):
+    """Base class of every error hsstore raises on purpose."""
+
+
+class StoreNotFoundError(HsstoreError, FileNotFoundError):
+    """The URL holds no committed store (no manifest.json)."""
+
+
+class ManifestError(HsstoreError, ValueError):
+    """A manifest is malformed, of an unknown format version, or disagrees with the files."""
+
+
+class CodecError(HsstoreError, ValueError):
+    """A feature cannot be encoded or decoded with the codec asked for."""
+
+
+class StoreWriteError(HsstoreError, OSError):
+    """Writing a shard or committing the manifest failed; the store is left as last committed."""
+
+
+class ShardCorruptError(HsstoreError, OSError):
+    """A shard named by the manifest is missing, truncated or fails its checksum."""
+
+
+class CommitConflictError(HsstoreError, RuntimeError):
+    """Another writer committed (or holds the store) between our read and our commit."""
+
+
+class LineageMismatchError(HsstoreError, ValueError):
+    """What a job expects (target, tokenizer, layers, codecs...) differs from the store's lineage."""
+
+
+class RecipeError(HsstoreError, ValueError):
+    """A recipe is invalid; the message names the dotted key."""
