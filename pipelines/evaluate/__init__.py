@@ -1,0 +1,1 @@
+"""Real speculative decoding (chain and EAGLE-2 trees) measuring acceptance length."""

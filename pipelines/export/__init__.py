@@ -1,0 +1,1 @@
+"""Export trained drafts into the layouts vLLM and SGLang load."""

@@ -1,0 +1,1 @@
+"""Draft model definitions shared by training, export and evaluation."""
