@@ -1,0 +1,397 @@
+"""The EAGLE-3 / EAGLE-4 draft: one Llama-style decoder layer over fused target hidden states.
+
+Training (TTT unroll), export (vLLM/SGLang layout) and evaluation (chain and tree decoding) all use
+this one module; see docs/draft-model.md for the contract. Parameter names equal the serving
+layout's weight names (``fc.weight``, ``midlayer.self_attn.q_proj.weight``, ...), so export is a
+rename-free copy minus ``embed_tokens``.
+
+Data flow at one position t (DESIGN.md): ``h = fc(cat(aux_t))`` (or the draft's own previous
+output at TTT depth > 0), ``x = cat([input_layernorm(embed(token_{t+1})), hidden_norm(h)])`` (2H,
+embeddings first), attention on x with the residual being h itself, a SiLU MLP, and the pre-norm
+output is what the next depth gets back as h. Logits are ``lm_head(norm(out))`` over the draft
+vocabulary; ``d2t`` maps a draft id to its target id.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import nn
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class Eagle3Config(BaseModel):
+    """Shape of a draft; saved as ``config.json`` next to its weights in project checkpoints."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format_version: Literal[1] = 1
+    hidden_size: int = Field(
+        gt=0, description="draft hidden size H (the engines need H == target's)"
+    )
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int = Field(gt=0, description="GQA: query heads share kv heads")
+    head_dim: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0, description="SiLU MLP width")
+    rms_norm_eps: float = Field(default=1e-6, gt=0)
+    rope_theta: float = Field(default=10000.0, gt=0, description="from the target config")
+    rope_scaling: dict[str, Any] | None = Field(
+        default=None, description="None or the target's llama3 rope scaling dict"
+    )
+    max_position_embeddings: int = Field(default=4096, gt=0)
+    vocab_size: int = Field(gt=0, description="the TARGET vocabulary size (embed_tokens rows)")
+    draft_vocab_size: int = Field(gt=0, description="lm_head rows; <= vocab_size")
+    target_hidden_size: int = Field(gt=0, description="H_target: fc takes K * H_target inputs")
+    aux_layer_ids: list[int] = Field(
+        min_length=1, description="hidden_states[i] convention: the state entering decoder layer i"
+    )
+    sliding_window: int | None = Field(
+        default=None,
+        gt=0,
+        description="EAGLE-4: attend only to keys less than this many positions back",
+    )
+    candidate_rank: int | None = Field(
+        default=None, gt=0, description="EAGLE-4 stage 2 head rank r"
+    )
+    num_candidates: int | None = Field(
+        default=None, gt=0, description="K candidates rescored exactly"
+    )
+    target_architecture: str | None = Field(default=None, description="e.g. Qwen3ForCausalLM")
+
+    @model_validator(mode="after")
+    def _check(self) -> Eagle3Config:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size={self.draft_vocab_size} exceeds the target vocab_size={self.vocab_size}"
+            )
+        if self.num_candidates is not None and self.candidate_rank is None:
+            raise ValueError("num_candidates is set but candidate_rank is not")
+        if self.num_candidates is not None and self.num_candidates > self.draft_vocab_size:
+            raise ValueError(
+                f"num_candidates={self.num_candidates} exceeds draft_vocab_size={self.draft_vocab_size}"
+            )
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"rope_scaling type {rope_type!r} is not supported (default, llama3)")
+        return self
+
+    @property
+    def num_aux_layers(self) -> int:
+        return len(self.aux_layer_ids)
+
+    @classmethod
+    def from_target_config(
+        cls,
+        hf_config: Any,
+        *,
+        draft_vocab_size: int | None = None,
+        aux_layer_ids: list[int] | None = None,
+        sliding_window: int | None = None,
+        **overrides: Any,
+    ) -> Eagle3Config:
+        """Derive the draft's shape from a target's Hugging Face config (object or dict).
+
+        The draft copies the target's width, heads, MLP width, norm eps and RoPE so that it can
+        share the target's embeddings. ``aux_layer_ids`` defaults to vLLM's and SGLang's
+        ``[2, L//2, L-3]`` (hidden_states convention). ``overrides`` set any other field.
+        """
+        if hasattr(hf_config, "get_text_config"):
+            hf_config = hf_config.get_text_config()
+        cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+        num_layers = int(cfg["num_hidden_layers"])
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        # transformers 5 keeps rope settings in ``rope_parameters``; 4.x in rope_theta/rope_scaling.
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope_scaling = None
+        if rope_type not in (None, "default"):
+            rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        values: dict[str, Any] = {
+            "hidden_size": hidden,
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(cfg.get("num_key_value_heads") or heads),
+            "head_dim": int(cfg.get("head_dim") or hidden // heads),
+            "intermediate_size": int(cfg["intermediate_size"]),
+            "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+            "rope_theta": rope_theta,
+            "rope_scaling": rope_scaling,
+            "max_position_embeddings": int(cfg.get("max_position_embeddings", 4096)),
+            "vocab_size": int(cfg["vocab_size"]),
+            "draft_vocab_size": int(draft_vocab_size or cfg["vocab_size"]),
+            "target_hidden_size": hidden,
+            "aux_layer_ids": list(aux_layer_ids or [2, num_layers // 2, num_layers - 3]),
+            "sliding_window": sliding_window,
+            "target_architecture": (cfg.get("architectures") or [None])[0],
+        }
+        values.update(overrides)
+        return cls(**values)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # float32 statistics like the engines, whatever the compute dtype.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(config: Eagle3Config, device: torch.device | None = None) -> torch.Tensor:
+    """Inverse RoPE frequencies in float32 (recomputed per call: a module buffer would be cast to
+    bf16 by ``.to(dtype)`` and lose the precision long positions need)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+    )
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", "default") == "llama3":
+        # Llama 3.1's frequency-dependent rescaling, as in transformers' _compute_llama3_parameters.
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+def apply_rope(
+    x_BNTD: torch.Tensor, position_ids_BT: torch.Tensor, inv_freq: torch.Tensor
+) -> torch.Tensor:
+    """Rotate-half RoPE (the Llama/HF convention, not interleaved pairs)."""
+    angles_BTF = position_ids_BT[..., None].float() * inv_freq
+    emb_BTD = torch.cat([angles_BTF, angles_BTF], dim=-1)
+    cos, sin = emb_BTD.cos()[:, None], emb_BTD.sin()[:, None]
+    x1, x2 = x_BNTD.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x_BNTD.float() * cos + rotated.float() * sin).to(x_BNTD.dtype)
+
+
+def causal_mask(
+    num_queries: int, num_past: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor:
+    """Bool [Q, S_past + Q]: query j (cache index S_past + j) sees keys k <= S_past + j, and with a
+    window only keys with ``query_index - k < sliding_window`` (HF/Mistral convention)."""
+    q_idx = torch.arange(num_queries, device=device)[:, None] + num_past
+    k_idx = torch.arange(num_past + num_queries, device=device)[None, :]
+    mask = k_idx <= q_idx
+    if sliding_window is not None:
+        mask &= q_idx - k_idx < sliding_window
+    return mask
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        self.config = config
+        n_heads, n_kv, hd, h = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            config.hidden_size,
+        )
+        # q/k/v read the 2H concatenation [input_layernorm(embed), hidden_norm(h)].
+        self.q_proj = nn.Linear(2 * h, n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(2 * h, n_kv * hd, bias=False)
+        self.v_proj = nn.Linear(2 * h, n_kv * hd, bias=False)
+        self.o_proj = nn.Linear(n_heads * hd, h, bias=False)
+
+    def forward(
+        self,
+        x_BTC: torch.Tensor,
+        position_ids_BT: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        past_key_values: KVCache | None,
+    ) -> tuple[torch.Tensor, KVCache]:
+        cfg = self.config
+        B, T, _ = x_BTC.shape
+        q = self.q_proj(x_BTC).view(B, T, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
+        k = self.k_proj(x_BTC).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        v = self.v_proj(x_BTC).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        inv_freq = rope_inv_freq(cfg, x_BTC.device)
+        q, k = apply_rope(q, position_ids_BT, inv_freq), apply_rope(k, position_ids_BT, inv_freq)
+        if past_key_values is not None:
+            k = torch.cat([past_key_values[0], k], dim=2)
+            v = torch.cat([past_key_values[1], v], dim=2)
+        if attention_mask is None:
+            mask = causal_mask(T, k.shape[2] - T, cfg.sliding_window, x_BTC.device)
+        else:
+            if attention_mask.shape != (B, T, k.shape[2]):
+                raise ValueError(
+                    f"attention_mask must be bool [B={B}, Q={T}, S_past+Q={k.shape[2]}], "
+                    f"got {tuple(attention_mask.shape)}"
+                )
+            mask = attention_mask.bool()[:, None]
+        groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        out = F.scaled_dot_product_attention(
+            q,
+            k.repeat_interleave(groups, dim=1),
+            v.repeat_interleave(groups, dim=1),
+            attn_mask=mask,
+        )
+        out = out.transpose(1, 2).reshape(B, T, cfg.num_attention_heads * cfg.head_dim)
+        return self.o_proj(out), (k, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """The EAGLE-3 ``midlayer``: vLLM's/SGLang's Eagle3 LlamaDecoderLayer, residual = incoming h."""
+
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        embeds_BTD: torch.Tensor,
+        hidden_BTD: torch.Tensor,
+        position_ids_BT: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        past_key_values: KVCache | None,
+    ) -> tuple[torch.Tensor, KVCache]:
+        x = torch.cat([self.input_layernorm(embeds_BTD), self.hidden_norm(hidden_BTD)], dim=-1)
+        attn, kv = self.self_attn(x, position_ids_BT, attention_mask, past_key_values)
+        h = hidden_BTD + attn
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, kv
+
+
+class CandidateHead(nn.Module):
+    """EAGLE-4 stage 2: logits ~= up_proj(down_proj(norm(h))), a rank-r stand-in for lm_head whose
+    top K candidates the server rescores exactly with the full head."""
+
+    def __init__(self, hidden_size: int, draft_vocab_size: int, rank: int) -> None:
+        super().__init__()
+        self.down_proj = nn.Linear(hidden_size, rank, bias=False)  # weight [r, H]
+        self.up_proj = nn.Linear(rank, draft_vocab_size, bias=False)  # weight [V_draft, r]
+
+    def forward(self, normed_BTD: torch.Tensor) -> torch.Tensor:
+        return self.up_proj(self.down_proj(normed_BTD))
+
+
+@dataclass
+class Eagle3Output:
+    hidden_BTD: torch.Tensor  # pre-norm layer output: the h fed back at the next depth
+    past_key_values: KVCache | None  # (k, v) [B, kv_heads, S, head_dim] with RoPE applied
+
+
+# ---------------------------------------------------------------------------------------------
+# The draft
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        self.config = config
+        # Copied from the target and frozen; the engines share the target's, so it is not exported.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(
+            config.num_aux_layers * config.target_hidden_size, config.hidden_size, bias=False
+        )
+        self.midlayer = DecoderLayer(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.candidate_head: CandidateHead | None = None
+        if config.candidate_rank is not None:
+            self.candidate_head = CandidateHead(
+                config.hidden_size, config.draft_vocab_size, config.candidate_rank
+            )
+        # Identity-prefix vocabulary until calibrated (pipelines.train.vocab fills these).
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[: config.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install a calibrated draft vocabulary (shapes checked against the config)."""
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(
+                f"vocab mapping shapes d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} do not match "
+                f"draft_vocab_size={self.config.draft_vocab_size} / vocab_size={self.config.vocab_size}"
+            )
+        self.d2t.copy_(d2t.to(torch.int64))
+        self.t2d.copy_(t2d.to(torch.bool))
+
+    def fuse_aux(self, aux: torch.Tensor) -> torch.Tensor:
+        """fc over the K aux states, layer-major: [B, T, K, H_t] or [B, T, K*H_t] -> [B, T, H]."""
+        if aux.dim() == 4:
+            aux = aux.flatten(-2)
+        return self.fc(aux.to(self.fc.weight.dtype))
+
+    def forward(
+        self,
+        input_ids_BT: torch.Tensor,
+        hidden_BTD: torch.Tensor,
+        position_ids_BT: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: KVCache | None = None,
+        use_cache: bool = False,
+    ) -> Eagle3Output:
+        """One draft step. ``attention_mask`` None = causal over cache + new keys (and the sliding
+        window when configured); otherwise bool [B, Q, S_past + Q], True = may attend, used as
+        given (the caller applies any window to explicit masks)."""
+        embeds = self.embed_tokens(input_ids_BT).to(hidden_BTD.dtype)
+        hidden, kv = self.midlayer(
+            embeds, hidden_BTD, position_ids_BT, attention_mask, past_key_values
+        )
+        return Eagle3Output(hidden_BTD=hidden, past_key_values=kv if use_cache else None)
+
+    def compute_logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
+        """Logits over the DRAFT vocabulary from the pre-norm hidden output."""
+        return self.lm_head(self.norm(hidden_BTD))
+
+    def compute_candidate_logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
+        """Low-rank (EAGLE-4 stage 2) logits over the draft vocabulary."""
+        if self.candidate_head is None:
+            raise ValueError("this draft has no candidate head (config.candidate_rank is None)")
+        return self.candidate_head(self.norm(hidden_BTD))
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
