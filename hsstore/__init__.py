@@ -1,0 +1,62 @@
+"""hsstore: a feature store for training speculative-decoding drafts.
+
+A target LLM runs once; its per-token features (auxiliary hidden states, the final state or output
+distribution, token ids, loss masks) land in chunked Zarr/Arrow shards committed by a manifest that
+pins their lineage. Drafts are then trained, swept and evaluated from the store, many times, without
+loading the target again.
+
+Importing this package never imports torch, ray or transformers.
+"""
+
+from hsstore import codecs
+from hsstore.errors import (
+    CodecError,
+    CommitConflictError,
+    HsstoreError,
+    LineageMismatchError,
+    ManifestError,
+    RecipeError,
+    ShardCorruptError,
+    StoreNotFoundError,
+    StoreWriteError,
+)
+from hsstore.features import FeatureSpec
+from hsstore.lineage import Lineage, TargetIdentity
+from hsstore.location import StoreLocation
+from hsstore.manifest import FORMAT_VERSION, FileEntry, ShardRecord, StoreManifest, parse_manifest
+from hsstore.store import Store, open_store
+from hsstore.verify import Problem, verify_store
+from hsstore.writer import ShardWriter, StoreWriter, commit_shards, committed_shard_ids, ensure_store
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FORMAT_VERSION",
+    "CodecError",
+    "CommitConflictError",
+    "FeatureSpec",
+    "FileEntry",
+    "HsstoreError",
+    "Lineage",
+    "LineageMismatchError",
+    "ManifestError",
+    "Problem",
+    "RecipeError",
+    "ShardCorruptError",
+    "ShardRecord",
+    "ShardWriter",
+    "Store",
+    "StoreLocation",
+    "StoreManifest",
+    "StoreNotFoundError",
+    "StoreWriteError",
+    "StoreWriter",
+    "TargetIdentity",
+    "codecs",
+    "commit_shards",
+    "committed_shard_ids",
+    "ensure_store",
+    "open_store",
+    "parse_manifest",
+    "verify_store",
+]

@@ -1,0 +1,139 @@
+"""Where a store lives: an fsspec filesystem plus a root, with the few primitives the format needs.
+
+Two kinds of backend behave differently for commits:
+
+* local filesystems have an atomic rename: files are written under a temporary name and renamed;
+* object stores (s3, gs, memory) have no rename but a single-object PUT is atomic: objects are
+  written under their final (unique, never reused) names and only the manifest PUT publishes them.
+
+Either way the manifest is the only commit point, so a crash leaves unreferenced files, never a
+half-visible shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import posixpath
+import uuid
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+HASH_BLOCK = 8 << 20
+
+
+class StoreLocation:
+    """An fsspec filesystem and a root path inside it."""
+
+    def __init__(self, url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None):
+        url = os.fspath(url)
+        self.url = url
+        self.storage_options = dict(storage_options or {})
+        fs, root = fsspec.core.url_to_fs(url, **self.storage_options)
+        self.fs = fs
+        self.root = root.rstrip("/") or "/"
+        self.is_local = isinstance(fs, LocalFileSystem)
+
+    def __repr__(self) -> str:
+        return f"StoreLocation({self.url!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Filesystem objects hold sockets and event loops: ship the URL, rebuild on the other side.
+        return {"url": self.url, "storage_options": self.storage_options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["url"], state["storage_options"])  # type: ignore[misc]
+
+    def path(self, relative: str = "") -> str:
+        return posixpath.join(self.root, relative) if relative else self.root
+
+    def exists(self, relative: str) -> bool:
+        return bool(self.fs.exists(self.path(relative)))
+
+    def read_bytes(self, relative: str) -> bytes:
+        return bytes(self.fs.cat_file(self.path(relative)))
+
+    def size(self, relative: str) -> int:
+        return int(self.fs.size(self.path(relative)))
+
+    def makedirs(self, relative: str) -> None:
+        self.fs.makedirs(self.path(relative), exist_ok=True)
+
+    def write_bytes_atomic(self, relative: str, data: bytes) -> None:
+        """Publish ``data`` at ``relative`` in one step: temp + rename locally, one PUT elsewhere."""
+        target = self.path(relative)
+        if self.is_local:
+            directory = os.path.dirname(target)
+            os.makedirs(directory, exist_ok=True)
+            temp = os.path.join(directory, f".{os.path.basename(target)}.{uuid.uuid4().hex}.tmp")
+            with open(temp, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temp, target)
+            _fsync_dir(directory)
+        else:
+            self.fs.pipe_file(target, data)
+
+    def rename_dir(self, source: str, target: str) -> None:
+        """Local only: move a finished shard folder into place atomically."""
+        assert self.is_local, "rename_dir is only used on local filesystems"
+        os.rename(self.path(source), self.path(target))
+        _fsync_dir(os.path.dirname(self.path(target)))
+
+    def remove_tree(self, relative: str) -> None:
+        if self.fs.exists(self.path(relative)):
+            self.fs.rm(self.path(relative), recursive=True)
+
+    def list_files(self, relative: str = "") -> list[str]:
+        """Every file under ``relative``, as paths relative to the root."""
+        base = self.path(relative)
+        if not self.fs.exists(base):
+            return []
+        prefix = self.root.strip("/") + "/"
+        out = []
+        for path in self.fs.find(base):
+            path = path.lstrip("/")
+            out.append(path[len(prefix) :] if path.startswith(prefix) else path)
+        return sorted(out)
+
+    def sha256(self, relative: str) -> tuple[int, str]:
+        """(size, sha256 hex) of a file, streamed in large blocks."""
+        digest = hashlib.sha256()
+        size = 0
+        with self.fs.open(self.path(relative), "rb", block_size=HASH_BLOCK) as handle:
+            while True:
+                block = handle.read(HASH_BLOCK)
+                if not block:
+                    break
+                size += len(block)
+                digest.update(block)
+        return size, digest.hexdigest()
+
+    def zarr_store(self, relative: str, read_only: bool) -> Any:
+        """A zarr v3 store rooted at ``relative`` (LocalStore locally, FsspecStore elsewhere)."""
+        from zarr.storage import FsspecStore, LocalStore
+
+        if self.is_local:
+            return LocalStore(self.path(relative), read_only=read_only)
+        fs = self.fs
+        if not getattr(fs, "async_impl", False):
+            from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+
+            fs = AsyncFileSystemWrapper(fs)
+        return FsspecStore(fs, path=self.path(relative), read_only=read_only)
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,141 @@
+"""``hsstore verify``: check every committed file against the manifest, and list garbage.
+
+Checks, per shard: each named file exists with the recorded size and sha256; the sample table opens,
+has the recorded rows, contiguous token offsets summing to the recorded tokens and equal-length
+ids/masks; every feature array has the recorded token count and per-token shape. Store-wide:
+duplicate sample ids, and files no manifest names (left by crashed or retried writers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from hsstore.errors import HsstoreError
+from hsstore.location import StoreLocation
+from hsstore.manifest import MANIFEST_NAME, ShardRecord, StoreManifest
+from hsstore.writer import FEATURES_DIR, LOCK_NAME, SAMPLES_FILE, read_manifest
+
+# Files a store may hold besides shards; never reported as garbage.
+KNOWN_TOP_LEVEL = {MANIFEST_NAME, LOCK_NAME}
+KNOWN_DIRS = ("rejects/",)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One finding; ``where`` is a path relative to the store root (or the shard id)."""
+
+    kind: str
+    where: str
+    detail: str
+    fatal: bool = True
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.where}: {self.detail}"
+
+
+def verify_store(location: StoreLocation, *, checksums: bool = True) -> list[Problem]:
+    """Every problem found; an empty list means the store is sound. Garbage files are non-fatal."""
+    try:
+        manifest = read_manifest(location)
+    except HsstoreError as err:
+        return [Problem("manifest", MANIFEST_NAME, str(err))]
+    if manifest is None:
+        return [Problem("manifest", MANIFEST_NAME, f"not found under {location.url}")]
+    problems: list[Problem] = []
+    seen_ids: dict[str, str] = {}
+    for shard in manifest.shards:
+        problems.extend(verify_shard(location, manifest, shard, checksums=checksums, seen_ids=seen_ids))
+    named = {entry.path for shard in manifest.shards for entry in shard.files}
+    for path in location.list_files():
+        if path in named or path in KNOWN_TOP_LEVEL or path.startswith(KNOWN_DIRS):
+            continue
+        problems.append(Problem("unreferenced", path, "not named by the manifest (garbage from an uncommitted writer)", fatal=False))
+    return problems
+
+
+def verify_shard(
+    location: StoreLocation,
+    manifest: StoreManifest,
+    shard: ShardRecord,
+    *,
+    checksums: bool = True,
+    seen_ids: dict[str, str] | None = None,
+) -> list[Problem]:
+    problems: list[Problem] = []
+    files_ok = True
+    for entry in shard.files:
+        try:
+            if checksums:
+                size, digest = location.sha256(entry.path)
+            else:
+                size, digest = location.size(entry.path), entry.sha256
+        except FileNotFoundError:
+            problems.append(Problem("missing", entry.path, f"file of shard {shard.shard_id} is gone"))
+            files_ok = False
+            continue
+        if size != entry.size:
+            problems.append(Problem("size", entry.path, f"{size} bytes, manifest says {entry.size} (truncated or rewritten)"))
+            files_ok = False
+        elif digest != entry.sha256:
+            problems.append(Problem("checksum", entry.path, f"sha256 {digest[:16]}... != manifest {entry.sha256[:16]}..."))
+            files_ok = False
+    if not files_ok:
+        return problems  # structure checks on damaged files would only repeat the finding
+    problems.extend(_check_table(location, shard, seen_ids))
+    problems.extend(_check_arrays(location, manifest, shard))
+    return problems
+
+
+def _check_table(location: StoreLocation, shard: ShardRecord, seen_ids: dict[str, str] | None) -> list[Problem]:
+    path = f"{shard.path}/{SAMPLES_FILE}"
+    try:
+        table = pa.ipc.open_file(pa.BufferReader(location.read_bytes(path))).read_all()
+    except (OSError, pa.ArrowInvalid) as err:
+        return [Problem("table", path, f"cannot read: {err}")]
+    problems = []
+    if table.num_rows != shard.num_samples:
+        problems.append(Problem("rows", path, f"{table.num_rows} rows, manifest says {shard.num_samples}"))
+    lengths = np.asarray(table.column("num_tokens").to_numpy(), dtype=np.int64)
+    offsets = np.asarray(table.column("token_offset").to_numpy(), dtype=np.int64)
+    if int(lengths.sum()) != shard.num_tokens:
+        problems.append(Problem("tokens", path, f"{int(lengths.sum())} tokens, manifest says {shard.num_tokens}"))
+    expected_offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(lengths) else lengths
+    if not np.array_equal(offsets, expected_offsets):
+        problems.append(Problem("offsets", path, "token_offset is not the running sum of num_tokens"))
+    for column in ("input_ids", "loss_mask"):
+        list_lengths = np.asarray(pa.compute.list_value_length(table.column(column)).to_numpy(zero_copy_only=False))
+        if not np.array_equal(list_lengths, lengths):
+            problems.append(Problem("lengths", path, f"{column} lengths disagree with num_tokens"))
+    if seen_ids is not None:
+        for sample_id in table.column("sample_id").to_pylist():
+            other = seen_ids.get(sample_id)
+            if other is not None:
+                problems.append(Problem("duplicate", path, f"sample_id {sample_id!r} also in shard {other}"))
+            else:
+                seen_ids[sample_id] = shard.shard_id
+    return problems
+
+
+def _check_arrays(location: StoreLocation, manifest: StoreManifest, shard: ShardRecord) -> list[Problem]:
+    import zarr
+
+    problems = []
+    root = f"{shard.path}/{FEATURES_DIR}"
+    for spec in manifest.features:
+        for array_name in spec.array_names():
+            where = f"{root}/{array_name}"
+            tail = spec.scale_shape if array_name != spec.name else spec.shape
+            try:
+                array: Any = zarr.open_array(location.zarr_store(root, read_only=True), path=array_name, mode="r")
+            except Exception as err:
+                problems.append(Problem("array", where, f"cannot open: {err}"))
+                continue
+            if tuple(array.shape) != (shard.num_tokens, *tail):
+                problems.append(
+                    Problem("shape", where, f"shape {tuple(array.shape)}, expected {(shard.num_tokens, *tail)}")
+                )
+    return problems

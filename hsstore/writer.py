@@ -1,0 +1,487 @@
+"""Writing shards and committing them.
+
+A :class:`ShardWriter` owns one shard: it buffers encoded samples, flushes whole Zarr shard files
+(aligned, so Zarr never reads-modifies-writes), writes the Arrow sample table last, checksums its
+files and returns a :class:`ShardRecord`. Nothing it writes is visible until :func:`commit_shards`
+adds the record to the manifest.
+
+Each attempt at a shard writes into its own folder ``shards/<shard_id>.<attempt>``: Ray may run a
+unit twice (retries, restarted actors) and two attempts must never interleave files. The shard id is
+deterministic (from the work unit); the attempt suffix is random. The committer keeps the first
+record per shard id; later attempts are garbage, listed by ``verify`` and removed by ``gc``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from hsstore import codecs
+from hsstore.errors import CommitConflictError, ManifestError, StoreNotFoundError, StoreWriteError
+from hsstore.features import FeatureSpec
+from hsstore.lineage import Lineage
+from hsstore.location import StoreLocation
+from hsstore.manifest import (
+    MANIFEST_NAME,
+    FileEntry,
+    ShardRecord,
+    StoreManifest,
+    check_shard_id,
+    now_iso,
+    parse_manifest,
+    shard_checksum,
+)
+
+logger = logging.getLogger(__name__)
+
+SHARDS_DIR = "shards"
+SAMPLES_FILE = "samples.arrow"
+FEATURES_DIR = "features.zarr"
+LOCK_NAME = "manifest.lock"
+
+SAMPLE_SCHEMA = pa.schema(
+    [
+        pa.field("sample_id", pa.string(), nullable=False),
+        pa.field("source_id", pa.string(), nullable=False),
+        pa.field("num_tokens", pa.int32(), nullable=False),
+        pa.field("token_offset", pa.int64(), nullable=False),
+        pa.field("num_loss_tokens", pa.int32(), nullable=False),
+        pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("loss_mask", pa.list_(pa.uint8()), nullable=False),
+    ]
+)
+
+
+def _as_location(url: str | os.PathLike[str] | StoreLocation, storage_options: dict[str, Any] | None) -> StoreLocation:
+    return url if isinstance(url, StoreLocation) else StoreLocation(url, storage_options)
+
+
+def _to_numpy_1d(values: Any, dtype: Any, what: str) -> np.ndarray:
+    if type(values).__module__.startswith("torch"):
+        values = values.detach().cpu().numpy()
+    array = np.asarray(values)
+    if array.ndim != 1:
+        raise StoreWriteError(f"{what} must be 1-D, got shape {array.shape}")
+    return array.astype(dtype, copy=False)
+
+
+class _ArrayBuffer:
+    """Encoded rows of one Zarr array waiting to be flushed in whole Zarr shards."""
+
+    def __init__(self, array: Any, shard_tokens: int):
+        self.array = array
+        self.shard_tokens = shard_tokens
+        self.pending: list[np.ndarray] = []
+        self.num_pending = 0
+        self.num_written = 0
+
+    def append(self, rows: np.ndarray) -> None:
+        if len(rows):
+            self.pending.append(rows)
+            self.num_pending += len(rows)
+        if self.num_pending >= self.shard_tokens:
+            self.flush(final=False)
+
+    def flush(self, final: bool) -> None:
+        if not self.num_pending:
+            return
+        count = self.num_pending if final else (self.num_pending // self.shard_tokens) * self.shard_tokens
+        data = np.concatenate(self.pending, axis=0) if len(self.pending) > 1 else self.pending[0]
+        start, stop = self.num_written, self.num_written + count
+        self.array.resize((stop, *self.array.shape[1:]))
+        self.array[start:stop] = data[:count]
+        rest = data[count:]
+        self.pending = [rest] if len(rest) else []
+        self.num_pending = len(rest)
+        self.num_written = stop
+
+
+class ShardWriter:
+    """Writes one shard. Not thread-safe; one process (one writer) per shard, as Zarr requires."""
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str] | StoreLocation,
+        shard_id: str,
+        features: Sequence[FeatureSpec],
+        *,
+        storage_options: dict[str, Any] | None = None,
+    ):
+        import zarr
+
+        self.location = _as_location(url, storage_options)
+        self.shard_id = check_shard_id(shard_id)
+        self.features = {spec.name: spec for spec in features}
+        self.folder = f"{SHARDS_DIR}/{shard_id}.{uuid.uuid4().hex[:12]}"
+        # Locally, write under a dot-name and rename the finished folder into place.
+        self._work = (
+            f"{SHARDS_DIR}/.tmp-{self.folder.split('/')[-1]}" if self.location.is_local else self.folder
+        )
+        self.location.makedirs(self._work)
+        group = zarr.open_group(self.location.zarr_store(f"{self._work}/{FEATURES_DIR}", read_only=False), mode="w")
+        self._buffers: dict[str, _ArrayBuffer] = {}
+        for spec in features:
+            for array_name in spec.array_names():
+                is_scale = array_name != spec.name
+                tail = spec.scale_shape if is_scale else spec.shape
+                dtype = "float32" if is_scale else spec.storage_dtype
+                chunk_tokens = spec.chunk_tokens
+                array = group.create_array(
+                    array_name,
+                    shape=(0, *tail),
+                    dtype=dtype,
+                    chunks=(chunk_tokens, *tail),
+                    shards=(spec.shard_tokens, *tail),
+                    compressors=_compressors(spec, dtype),
+                    fill_value=0,
+                    attributes={"hsstore_feature": spec.name, "logical_dtype": spec.logical_dtype, "codec": spec.codec},
+                )
+                self._buffers[array_name] = _ArrayBuffer(array, spec.shard_tokens)
+        self._rows: dict[str, list[Any]] = {field.name: [] for field in SAMPLE_SCHEMA}
+        self._sample_ids: set[str] = set()
+        self.num_samples = 0
+        self.num_tokens = 0
+        self._finished = False
+
+    def add_sample(
+        self,
+        *,
+        sample_id: str,
+        source_id: str,
+        input_ids: Any,
+        loss_mask: Any,
+        features: dict[str, Any],
+    ) -> None:
+        """Append one sample. ``features`` maps every feature name to an array ``[T, *shape]``."""
+        if self._finished:
+            raise StoreWriteError(f"shard {self.shard_id}: add_sample after finish()")
+        ids = _to_numpy_1d(input_ids, np.int32, f"sample {sample_id}: input_ids")
+        mask = _to_numpy_1d(loss_mask, np.uint8, f"sample {sample_id}: loss_mask")
+        num_tokens = len(ids)
+        if len(mask) != num_tokens:
+            raise StoreWriteError(
+                f"sample {sample_id}: loss_mask has {len(mask)} tokens, input_ids {num_tokens}"
+            )
+        if sample_id in self._sample_ids:
+            raise StoreWriteError(f"shard {self.shard_id}: duplicate sample_id {sample_id!r}")
+        missing = set(self.features) - set(features)
+        extra = set(features) - set(self.features)
+        if missing or extra:
+            raise StoreWriteError(
+                f"sample {sample_id}: features must be exactly {sorted(self.features)}; "
+                f"missing {sorted(missing)}, unexpected {sorted(extra)}"
+            )
+        encoded: dict[str, np.ndarray] = {}
+        for name, spec in self.features.items():
+            values = features[name]
+            if values.shape[0] != num_tokens:
+                raise StoreWriteError(
+                    f"sample {sample_id}: feature {name!r} has {values.shape[0]} tokens, input_ids {num_tokens}"
+                )
+            encoded.update(codecs.encode(spec, values))
+        for array_name, rows in encoded.items():
+            self._buffers[array_name].append(rows)
+        row = self._rows
+        row["sample_id"].append(sample_id)
+        row["source_id"].append(source_id)
+        row["num_tokens"].append(num_tokens)
+        row["token_offset"].append(self.num_tokens)
+        row["num_loss_tokens"].append(int(mask.astype(bool).sum()))
+        row["input_ids"].append(ids)
+        row["loss_mask"].append(mask)
+        self._sample_ids.add(sample_id)
+        self.num_samples += 1
+        self.num_tokens += num_tokens
+
+    def finish(self) -> ShardRecord:
+        """Flush everything, checksum the files and return the record to commit. Idempotent-safe:
+        calling it twice is an error, not a second shard."""
+        if self._finished:
+            raise StoreWriteError(f"shard {self.shard_id}: finish() called twice")
+        self._finished = True
+        try:
+            for buffer in self._buffers.values():
+                buffer.flush(final=True)
+            self._write_samples_table()
+            if self.location.is_local:
+                self.location.rename_dir(self._work, self.folder)
+            return self._describe()
+        except Exception:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Remove this attempt's files (best effort; leftovers are garbage the manifest never names)."""
+        self._finished = True
+        with contextlib.suppress(Exception):
+            self.location.remove_tree(self._work)
+
+    def _write_samples_table(self) -> None:
+        rows = self._rows
+        columns = {
+            "sample_id": pa.array(rows["sample_id"], pa.string()),
+            "source_id": pa.array(rows["source_id"], pa.string()),
+            "num_tokens": pa.array(rows["num_tokens"], pa.int32()),
+            "token_offset": pa.array(rows["token_offset"], pa.int64()),
+            "num_loss_tokens": pa.array(rows["num_loss_tokens"], pa.int32()),
+            "input_ids": _list_array(rows["input_ids"], pa.int32(), np.int32),
+            "loss_mask": _list_array(rows["loss_mask"], pa.uint8(), np.uint8),
+        }
+        table = pa.table(columns, schema=SAMPLE_SCHEMA)
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_file(sink, table.schema) as ipc:
+            ipc.write_table(table)
+        data = sink.getvalue().to_pybytes()
+        path = self.location.path(f"{self._work}/{SAMPLES_FILE}")
+        with self.location.fs.open(path, "wb") as handle:
+            handle.write(data)
+
+    def _describe(self) -> ShardRecord:
+        files = []
+        for relative in self.location.list_files(self.folder):
+            size, digest = self.location.sha256(relative)
+            files.append(FileEntry(path=relative, size=size, sha256=digest))
+        return ShardRecord(
+            shard_id=self.shard_id,
+            path=self.folder,
+            num_samples=self.num_samples,
+            num_tokens=self.num_tokens,
+            num_bytes=sum(f.size for f in files),
+            checksum=shard_checksum(files),
+            files=files,
+        )
+
+
+def _list_array(values: list[np.ndarray], value_type: pa.DataType, dtype: Any) -> pa.Array:
+    offsets = np.zeros(len(values) + 1, dtype=np.int32)
+    if values:
+        np.cumsum([len(v) for v in values], out=offsets[1:])
+    flat = np.concatenate(values).astype(dtype, copy=False) if values else np.zeros(0, dtype)
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(flat, value_type))
+
+
+def _compressors(spec: FeatureSpec, dtype: str) -> Any:
+    from zarr.codecs import BloscCodec, ZstdCodec
+
+    if spec.compression == "none":
+        return None
+    if spec.compression == "zstd":
+        return [ZstdCodec(level=spec.compression_level)]
+    typesize = np.dtype(dtype).itemsize
+    return [BloscCodec(cname="zstd", clevel=spec.compression_level, shuffle="shuffle", typesize=typesize)]
+
+
+# -- committing ---------------------------------------------------------------------------------
+
+
+def read_manifest(location: StoreLocation) -> StoreManifest | None:
+    """The committed manifest, or None for an empty location."""
+    try:
+        data = location.read_bytes(MANIFEST_NAME)
+    except FileNotFoundError:
+        return None
+    return parse_manifest(data, source=location.path(MANIFEST_NAME))
+
+
+def committed_shard_ids(
+    url: str | os.PathLike[str] | StoreLocation, storage_options: dict[str, Any] | None = None
+) -> set[str]:
+    """Shard ids already committed (empty for a store that does not exist yet): what a rerun skips."""
+    manifest = read_manifest(_as_location(url, storage_options))
+    return {shard.shard_id for shard in manifest.shards} if manifest else set()
+
+
+@contextlib.contextmanager
+def _commit_lock(location: StoreLocation, timeout_s: float = 60.0):  # type: ignore[no-untyped-def]
+    """Serialise committers on one local store (O_EXCL lock file, stale after ``timeout_s``).
+
+    Object stores have no portable exclusive create; there the read-merge-write below re-reads the
+    generation just before publishing and refuses on a change (see docs/format.md)."""
+    if not location.is_local:
+        yield
+        return
+    location.makedirs("")
+    lock_path = location.path(LOCK_NAME)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fd = os.open(lock_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            os.close(fd)
+            break
+        except FileExistsError:
+            with contextlib.suppress(FileNotFoundError):
+                if time.time() - os.path.getmtime(lock_path) > timeout_s:
+                    os.unlink(lock_path)  # a committer that died holding the lock
+                    continue
+            if time.monotonic() > deadline:
+                raise CommitConflictError(
+                    f"{lock_path}: another process has been committing for over {timeout_s:.0f}s"
+                ) from None
+            time.sleep(0.01)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock_path)
+
+
+def commit_shards(
+    url: str | os.PathLike[str] | StoreLocation,
+    shards: Iterable[ShardRecord],
+    *,
+    features: Sequence[FeatureSpec],
+    lineage: Lineage,
+    storage_options: dict[str, Any] | None = None,
+) -> StoreManifest:
+    """Add shard records to the manifest, atomically. Creates the store on the first commit.
+
+    Records whose shard id is already committed are skipped (a retried unit), so committing is
+    idempotent. Features and lineage must equal the store's: a store holds one extraction.
+    """
+    location = _as_location(url, storage_options)
+    records = list(shards)
+    with _commit_lock(location):
+        current = read_manifest(location)
+        if current is None:
+            current = StoreManifest(features=list(features), lineage=lineage, generation=0)
+        else:
+            _check_same_contract(location, current, features, lineage)
+        committed = {shard.shard_id for shard in current.shards}
+        added: list[ShardRecord] = []
+        for record in records:
+            if record.shard_id in committed:
+                logger.info("shard %s already committed; keeping the first attempt", record.shard_id)
+                continue
+            committed.add(record.shard_id)
+            added.append(record)
+        all_shards = sorted([*current.shards, *added], key=lambda s: s.shard_id)
+        manifest = StoreManifest(
+            format_version=current.format_version,
+            generation=current.generation + 1,
+            created_at=current.created_at,
+            updated_at=now_iso(),
+            features=current.features,
+            lineage=current.lineage,
+            shards=all_shards,
+            num_samples=sum(s.num_samples for s in all_shards),
+            num_tokens=sum(s.num_tokens for s in all_shards),
+        )
+        if not location.is_local:
+            latest = read_manifest(location)
+            if latest is not None and latest.generation != current.generation:
+                raise CommitConflictError(
+                    f"{location.path(MANIFEST_NAME)}: another writer committed generation "
+                    f"{latest.generation} while we prepared {manifest.generation}; retry the commit"
+                )
+        location.write_bytes_atomic(MANIFEST_NAME, manifest.to_json().encode())
+    return manifest
+
+
+def _check_same_contract(
+    location: StoreLocation, current: StoreManifest, features: Sequence[FeatureSpec], lineage: Lineage
+) -> None:
+    ours = {spec.name: spec for spec in features}
+    if ours != current.feature_map:
+        raise ManifestError(
+            f"{location.url}: features differ from the store's "
+            f"(store: {sorted(current.feature_map)}, commit: {sorted(ours)}; codecs/shapes must match too)"
+        )
+    diffs = current.lineage.diff(lineage)
+    if diffs:
+        field, stored, given = diffs[0]
+        raise ManifestError(
+            f"{location.url}: lineage field {field!r} differs from the store's "
+            f"(store: {stored!r}, commit: {given!r}); write to a new store"
+        )
+
+
+def ensure_store(
+    url: str | os.PathLike[str] | StoreLocation,
+    *,
+    features: Sequence[FeatureSpec],
+    lineage: Lineage,
+    storage_options: dict[str, Any] | None = None,
+) -> StoreManifest:
+    """Create an empty store (or check an existing one against ``features`` and ``lineage``)."""
+    return commit_shards(url, [], features=features, lineage=lineage, storage_options=storage_options)
+
+
+class StoreWriter:
+    """Single-process convenience: rolls shards at ``shard_max_tokens`` and commits each one.
+
+    Committing per shard bounds what a crash can lose to the shard in progress.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str],
+        features: Sequence[FeatureSpec],
+        lineage: Lineage,
+        *,
+        shard_max_tokens: int = 1 << 20,
+        shard_prefix: str = "s",
+        storage_options: dict[str, Any] | None = None,
+    ):
+        self.location = _as_location(url, storage_options)
+        self.features = list(features)
+        self.lineage = lineage
+        self.shard_max_tokens = shard_max_tokens
+        self.shard_prefix = shard_prefix
+        manifest = ensure_store(self.location, features=self.features, lineage=lineage)
+        self._next_index = len(
+            [s for s in manifest.shards if s.shard_id.startswith(f"{shard_prefix}-")]
+        )
+        self._shard: ShardWriter | None = None
+        self.records: list[ShardRecord] = []
+
+    def __enter__(self) -> StoreWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        elif self._shard is not None:
+            self._shard.abort()
+            self._shard = None
+
+    def add_sample(self, **sample: Any) -> None:
+        if self._shard is None:
+            shard_id = f"{self.shard_prefix}-{self._next_index:06d}"
+            self._next_index += 1
+            self._shard = ShardWriter(self.location, shard_id, self.features)
+        self._shard.add_sample(**sample)
+        if self._shard.num_tokens >= self.shard_max_tokens:
+            self._commit_current()
+
+    def _commit_current(self) -> None:
+        if self._shard is None:
+            return
+        record = self._shard.finish()
+        self._shard = None
+        commit_shards(self.location, [record], features=self.features, lineage=self.lineage)
+        self.records.append(record)
+
+    def close(self) -> None:
+        """Commit the shard in progress (if it holds samples)."""
+        if self._shard is not None and self._shard.num_samples == 0:
+            self._shard.abort()
+            self._shard = None
+        self._commit_current()
+
+
+def require_manifest(location: StoreLocation) -> StoreManifest:
+    manifest = read_manifest(location)
+    if manifest is None:
+        raise StoreNotFoundError(
+            f"{location.url}: no committed store here ({MANIFEST_NAME} not found)"
+        )
+    return manifest
