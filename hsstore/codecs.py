@@ -108,7 +108,9 @@ def _encode_torch(spec: FeatureSpec, tensor: torch.Tensor) -> dict[str, np.ndarr
                 "use the bf16 codec for this feature or fix the source values"
             )
         amax = work.abs().amax(dim=-1, keepdim=True)
-        scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+        # Clamp at the smallest normal float32 so that tiny rows do not underflow the scale to 0.
+        scale = (amax / FP8_E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+        scale = torch.where(amax > 0, scale, torch.ones_like(amax))
         bits = (work / scale).to(torch.float8_e4m3fn).view(torch.uint8)
         return {
             spec.name: bits.cpu().numpy(),

@@ -17,6 +17,7 @@ def store_info(store: Store) -> dict[str, Any]:
     num_tokens = manifest.num_tokens
     feature_bytes = {spec.name: 0 for spec in manifest.features}
     table_bytes = 0
+    other_bytes = 0  # Zarr group metadata
     for shard in manifest.shards:
         prefix = f"{shard.path}/{FEATURES_DIR}/"
         for entry in shard.files:
@@ -27,6 +28,10 @@ def store_info(store: Store) -> dict[str, Any]:
                 feature = array_name.split(".", 1)[0]
                 if feature in feature_bytes:
                     feature_bytes[feature] += entry.size
+                else:
+                    other_bytes += entry.size
+            else:
+                other_bytes += entry.size
 
     def per_token(num_bytes: int) -> float:
         return round(num_bytes / num_tokens, 2) if num_tokens else 0.0
@@ -58,6 +63,7 @@ def store_info(store: Store) -> dict[str, Any]:
         "bytes_on_disk": total,
         "bytes_per_token": per_token(total),
         "sample_table_bytes": table_bytes,
+        "metadata_bytes": other_bytes,
         "features": features,
         "lineage": manifest.lineage.model_dump(mode="json"),
         "created_at": manifest.created_at,

@@ -118,12 +118,11 @@ class StoreLocation:
 
         if self.is_local:
             return LocalStore(self.path(relative), read_only=read_only)
-        fs = self.fs
-        if not getattr(fs, "async_impl", False):
-            from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
-
-            fs = AsyncFileSystemWrapper(fs)
-        return FsspecStore(fs, path=self.path(relative), read_only=read_only)
+        if getattr(self.fs, "async_impl", False):
+            return FsspecStore(self.fs, path=self.path(relative), read_only=read_only)
+        # zarr wraps synchronous filesystems (memory://) itself when given a URL.
+        url = self.fs.unstrip_protocol(self.path(relative))
+        return FsspecStore.from_url(url, storage_options=self.storage_options, read_only=read_only)
 
 
 def _fsync_dir(directory: str) -> None:

@@ -1,0 +1,661 @@
+"""Deterministic, resumable streaming of packed batches from a store.
+
+The plan (which samples go into which row of which batch, per rank and epoch) comes from
+:mod:`hsstore.packing` and is a pure function of the seed, the epoch, the manifest's shard list and
+the sample lengths; this module executes it:
+
+- **Reads** are long contiguous token ranges (:meth:`Store.read_token_range`): the samples of a few
+  upcoming batches are grouped by shard, sorted by offset and coalesced (gaps up to
+  ``merge_gap_tokens`` are read through), with ``read_threads`` reads in flight and batches
+  assembled ahead of the consumer.
+- **Bits stay bits** on the host: bf16 as uint16, fp8 as uint8 plus float32 scales. Decoding happens
+  in :func:`to_device` on the training device (a bf16 view, or an fp8 cast times the scale), so the
+  host moves half (bf16) or a quarter (fp8) of the float32 bytes.
+- **Resume** needs only :class:`LoaderState` (a few scalars): a batch carries its ``(epoch, index)``,
+  the consumer records the position after the last batch it used, and restarting from that state
+  yields exactly the batches an uninterrupted run would have seen next.
+- **Workers**: :class:`StoreBatchDataset` is a torch ``IterableDataset``; each DataLoader worker
+  opens the store itself (fsspec is not fork-safe) and takes every ``num_workers``-th batch of the
+  rank's stream, which is the order torch's DataLoader returns them in. No shared memory or lock
+  files between workers.
+
+Importing this module does not import torch; the functions that return tensors import it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hsstore.errors import ShardCorruptError
+from hsstore.features import TABLE_FEATURES, FeatureSpec
+from hsstore.packing import (
+    EpochPlan,
+    LoaderError,
+    LongSamples,
+    Remainder,
+    layout_rows,
+    plan_epoch,
+)
+from hsstore.store import Store, open_store
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+# (epoch, batch index, rows of global sample indices): one batch of a read group.
+_GroupItem = tuple[int, int, list[np.ndarray]]
+
+
+@dataclass(frozen=True)
+class LoaderState:
+    """Where a rank's stream stands: the next batch is ``batch_in_epoch`` of ``epoch``.
+
+    The settings that shape the plan are recorded too, so a resume with another world size, budget
+    or window (which would silently change what is seen) is refused instead.
+    """
+
+    seed: int
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    world_size: int = 1
+    token_budget: int = 0
+    rows_per_batch: int = 0
+    shuffle_window: int = 0
+    num_samples: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LoaderState:
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise LoaderError(f"loader state has unknown keys {sorted(unknown)}")
+        return cls(**{key: int(value) for key, value in data.items()})
+
+
+@dataclass
+class HostBatch:
+    """One packed batch on the host, features still in stored bits.
+
+    Token arrays are ``[B, T]`` (``T = token_budget``); ``features[name]`` is ``[B, T, *shape]`` in the
+    storage dtype (uint16 for bf16, uint8 for fp8) with ``features[name + ".scale"]`` for fp8.
+    Padding is zeros with ``loss_mask`` 0 and ``doc_ids`` -1.
+    """
+
+    epoch: int
+    index: int  # batch index within the rank's epoch
+    input_ids: np.ndarray  # int64 [B, T]
+    loss_mask: np.ndarray  # uint8 [B, T]
+    position_ids: np.ndarray  # int64 [B, T], restarts per document
+    doc_ids: np.ndarray  # int32 [B, T], -1 on padding
+    doc_remaining: np.ndarray  # int32 [B, T], tokens after t in its document
+    doc_lengths: list[list[int]]
+    sample_indices: list[list[int]]  # global sample indices per row, in row order
+    features: dict[str, np.ndarray]
+    num_real_tokens: int
+    num_skipped_samples: int = 0
+    read_seconds: float = 0.0
+    bytes_read: int = 0
+
+    @property
+    def num_padding_tokens(self) -> int:
+        return int(self.input_ids.size) - self.num_real_tokens
+
+
+@dataclass
+class _Catalog:
+    """Per-sample locations in manifest order, plus lazily opened token/loss-mask columns."""
+
+    shard_ids: list[str]
+    shard_sample_counts: list[int]
+    shard_of: np.ndarray  # int32 [N]
+    row_of: np.ndarray  # int32 [N]
+    token_offset: np.ndarray  # int64 [N]
+    num_tokens: np.ndarray  # int64 [N]
+    sample_names: list[str]
+    columns: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
+
+
+def _build_catalog(store: Store) -> _Catalog:
+    shard_ids, counts = [], []
+    shard_of, row_of, offsets, lengths, names = [], [], [], [], []
+    for index, shard in enumerate(store.shards):
+        table = store.shard_samples(shard.shard_id)
+        shard_ids.append(shard.shard_id)
+        counts.append(table.num_rows)
+        shard_of.append(np.full(table.num_rows, index, dtype=np.int32))
+        row_of.append(np.arange(table.num_rows, dtype=np.int32))
+        offsets.append(table.column("token_offset").to_numpy().astype(np.int64))
+        lengths.append(table.column("num_tokens").to_numpy().astype(np.int64))
+        names.extend(f"{sid} (shard {shard.shard_id})" for sid in table.column("sample_id").to_pylist())
+
+    def cat(parts: list[np.ndarray], dtype: Any) -> np.ndarray:
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+    return _Catalog(
+        shard_ids=shard_ids,
+        shard_sample_counts=counts,
+        shard_of=cat(shard_of, np.int32),
+        row_of=cat(row_of, np.int32),
+        token_offset=cat(offsets, np.int64),
+        num_tokens=cat(lengths, np.int64),
+        sample_names=names,
+    )
+
+
+class StreamingLoader:
+    """Packed batches of one rank, epoch after epoch, read from ``store``.
+
+    ``features`` names the stored features to read (``input_ids``/``loss_mask`` always come along).
+    See the module doc for the reading strategy and :mod:`hsstore.packing` for the order.
+    """
+
+    def __init__(
+        self,
+        store: Store | str,
+        features: Sequence[str],
+        *,
+        token_budget: int,
+        rows_per_batch: int = 1,
+        seed: int = 0,
+        shuffle_window: int = 1024,
+        rank: int = 0,
+        world_size: int = 1,
+        remainder: Remainder = "drop",
+        long_samples: LongSamples = "error",
+        read_threads: int = 4,
+        prefetch_batches: int = 4,
+        merge_gap_tokens: int = 256,
+        skip_corrupt: bool = False,
+    ) -> None:
+        self.store = open_store(store) if isinstance(store, (str, os.PathLike)) else store
+        self.features = [name for name in features if name not in TABLE_FEATURES]
+        missing = [name for name in self.features if name not in self.store.features]
+        if missing:
+            raise LoaderError(
+                f"{self.store.url}: no feature(s) {missing}; the store holds {sorted(self.store.features)}"
+            )
+        self.token_budget = token_budget
+        self.rows_per_batch = rows_per_batch
+        self.seed = seed
+        self.shuffle_window = shuffle_window
+        self.rank = rank
+        self.world_size = world_size
+        self.remainder: Remainder = remainder
+        self.long_samples: LongSamples = long_samples
+        self.read_threads = read_threads
+        self.prefetch_batches = prefetch_batches
+        self.merge_gap_tokens = merge_gap_tokens
+        self.skip_corrupt = skip_corrupt
+        self._catalog = _build_catalog(self.store)
+        self._plans: dict[int, EpochPlan] = {}
+        self._plans_lock = threading.Lock()
+        self._columns_lock = threading.Lock()
+        self.num_skipped_samples = 0
+
+    # -- the plan ----------------------------------------------------------------------------
+
+    @property
+    def specs(self) -> dict[str, FeatureSpec]:
+        return {name: self.store.features[name] for name in self.features}
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._catalog.num_tokens)
+
+    def plan(self, epoch: int) -> EpochPlan:
+        """This rank's plan for ``epoch`` (cached: the two most recent epochs)."""
+        with self._plans_lock:
+            plan = self._plans.get(epoch)
+        if plan is None:
+            plan = plan_epoch(
+                self._catalog.shard_sample_counts,
+                self._catalog.num_tokens,
+                seed=self.seed,
+                epoch=epoch,
+                token_budget=self.token_budget,
+                rows_per_batch=self.rows_per_batch,
+                shuffle_window=self.shuffle_window,
+                rank=self.rank,
+                world_size=self.world_size,
+                remainder=self.remainder,
+                long_samples=self.long_samples,
+                sample_names=self._catalog.sample_names,
+            )
+            with self._plans_lock:
+                if len(self._plans) >= 2:
+                    self._plans.pop(min(self._plans))
+                self._plans[epoch] = plan
+        return plan
+
+    def num_batches(self, epoch: int) -> int:
+        """Steps this rank (and every other rank) takes in ``epoch``."""
+        return self.plan(epoch).num_batches
+
+    def initial_state(self) -> LoaderState:
+        return LoaderState(
+            seed=self.seed,
+            world_size=self.world_size,
+            token_budget=self.token_budget,
+            rows_per_batch=self.rows_per_batch,
+            shuffle_window=self.shuffle_window,
+            num_samples=self.num_samples,
+        )
+
+    def state_after(self, batch: HostBatch | DeviceBatch) -> LoaderState:
+        """The state to save once ``batch`` has been used: resuming from it yields the next batch."""
+        nxt = batch.index + 1
+        if nxt >= self.num_batches(batch.epoch):
+            return self._with_position(batch.epoch + 1, 0)
+        return self._with_position(batch.epoch, nxt)
+
+    def _with_position(self, epoch: int, batch_in_epoch: int) -> LoaderState:
+        return LoaderState(**{**self.initial_state().to_dict(), "epoch": epoch, "batch_in_epoch": batch_in_epoch})
+
+    def check_state(self, state: LoaderState) -> None:
+        """Refuse a state saved under settings that would give another sequence of batches."""
+        expected = self.initial_state().to_dict()
+        found = state.to_dict()
+        for key in ("seed", "world_size", "token_budget", "rows_per_batch", "shuffle_window", "num_samples"):
+            if expected[key] != found[key]:
+                raise LoaderError(
+                    f"cannot resume: the saved loader state has {key}={found[key]} but this run has "
+                    f"{key}={expected[key]}; the batch sequence would differ from the interrupted run"
+                )
+
+    def positions(self, start: LoaderState, max_epochs: int | None = None) -> Iterator[tuple[int, int]]:
+        """(epoch, batch index) of the rank's stream from ``start`` on."""
+        epoch, index = start.epoch, start.batch_in_epoch
+        while max_epochs is None or epoch < max_epochs:
+            count = self.num_batches(epoch)
+            for j in range(index, count):
+                yield epoch, j
+            epoch, index = epoch + 1, 0
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def batches(
+        self,
+        start: LoaderState | None = None,
+        *,
+        max_epochs: int | None = None,
+        worker_id: int = 0,
+        num_workers: int = 1,
+    ) -> Iterator[HostBatch]:
+        """The rank's batches from ``start`` (default: the beginning), reading ahead in threads.
+
+        With ``num_workers > 1`` this yields only the batches of ``worker_id`` (every
+        ``num_workers``-th one counting from ``start``).
+        """
+        start = start or self.initial_state()
+        self.check_state(start)
+        mine = (
+            pos
+            for k, pos in enumerate(self.positions(start, max_epochs))
+            if k % num_workers == worker_id
+        )
+        group_size = max(1, self.prefetch_batches // 2)
+        readers = ThreadPoolExecutor(max_workers=self.read_threads, thread_name_prefix="hsstore-read")
+        assembler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsstore-assemble")
+        pending: deque[Future[list[HostBatch]]] = deque()
+        try:
+            while True:
+                group = [
+                    (epoch, j, self.plan(epoch).batches[j])
+                    for _, (epoch, j) in zip(range(group_size), mine, strict=False)
+                ]
+                if group:
+                    reads = self._submit_reads(group, readers)
+                    pending.append(assembler.submit(self._assemble_group, group, reads))
+                if not pending:
+                    return
+                # Keep one group reading while the oldest is consumed.
+                if len(pending) > 1 or not group:
+                    yield from pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()
+            assembler.shutdown(wait=True, cancel_futures=True)
+            readers.shutdown(wait=True, cancel_futures=True)
+
+    def _clipped_length(self, sample: int) -> int:
+        return int(min(self._catalog.num_tokens[sample], self.token_budget))
+
+    def _submit_reads(
+        self, group: list[_GroupItem], pool: ThreadPoolExecutor
+    ) -> list[tuple[int, int, int, list[int], Future[dict[str, np.ndarray]]]]:
+        """Coalesce the group's samples into (shard, start, stop) ranges and start reading them."""
+        samples = sorted(
+            {int(s) for _, _, rows in group for row in rows for s in row},
+            key=lambda s: (self._catalog.shard_of[s], self._catalog.token_offset[s]),
+        )
+        ranges: list[tuple[int, int, int, list[int]]] = []
+        for s in samples:
+            shard = int(self._catalog.shard_of[s])
+            begin = int(self._catalog.token_offset[s])
+            end = begin + self._clipped_length(s)
+            if ranges and ranges[-1][0] == shard and begin - ranges[-1][2] <= self.merge_gap_tokens:
+                last = ranges[-1]
+                ranges[-1] = (shard, last[1], max(last[2], end), [*last[3], s])
+            else:
+                ranges.append((shard, begin, end, [s]))
+        return [(*r, pool.submit(self._read_range, r[0], r[1], r[2])) for r in ranges]
+
+    def _read_range(self, shard: int, start: int, stop: int) -> dict[str, np.ndarray]:
+        shard_id = self._catalog.shard_ids[shard]
+        return self.store.read_token_range(shard_id, start, stop, self.features)
+
+    def _columns(self, shard: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(input_ids values, offsets, loss_mask values, offsets) of a shard's Arrow table."""
+        with self._columns_lock:
+            cached = self._catalog.columns.get(shard)
+        if cached is not None:
+            return cached
+        table = self.store.shard_samples(self._catalog.shard_ids[shard])
+        ids = table.column("input_ids").combine_chunks()
+        mask = table.column("loss_mask").combine_chunks()
+        columns = (
+            ids.values.to_numpy(zero_copy_only=False),
+            ids.offsets.to_numpy(),
+            mask.values.to_numpy(zero_copy_only=False),
+            mask.offsets.to_numpy(),
+        )
+        with self._columns_lock:
+            self._catalog.columns[shard] = columns
+        return columns
+
+    def _sample_tokens(self, sample: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        ids, ids_off, mask, mask_off = self._columns(int(self._catalog.shard_of[sample]))
+        row = int(self._catalog.row_of[sample])
+        return ids[ids_off[row] : ids_off[row] + length], mask[mask_off[row] : mask_off[row] + length]
+
+    def _resolve_reads(
+        self, reads: list[tuple[int, int, int, list[int], Future[dict[str, np.ndarray]]]]
+    ) -> tuple[dict[int, tuple[dict[str, np.ndarray], int]], set[int], float, int]:
+        """Wait for the reads: per sample (range arrays, offset within them); plus the skipped set."""
+        located: dict[int, tuple[dict[str, np.ndarray], int]] = {}
+        skipped: set[int] = set()
+        started = time.perf_counter()
+        num_bytes = 0
+        for shard, begin, _end, members, future in reads:
+            try:
+                raw = future.result()
+            except (ShardCorruptError, OSError) as err:
+                if not self.skip_corrupt:
+                    names = ", ".join(self._catalog.sample_names[s] for s in members[:3])
+                    raise ShardCorruptError(
+                        f"reading samples {names}{' ...' if len(members) > 3 else ''} failed: {err} "
+                        "(set skip_corrupt to skip unreadable samples and count them)"
+                    ) from err
+                # Isolate the bad samples: re-read one by one, keep what reads.
+                for s in members:
+                    offset = int(self._catalog.token_offset[s])
+                    try:
+                        one = self._read_range(shard, offset, offset + self._clipped_length(s))
+                    except (ShardCorruptError, OSError) as one_err:
+                        logger.warning("skipping sample %s: %s", self._catalog.sample_names[s], one_err)
+                        skipped.add(s)
+                        continue
+                    located[s] = (one, 0)
+                    num_bytes += sum(a.nbytes for a in one.values())
+                continue
+            num_bytes += sum(a.nbytes for a in raw.values())
+            for s in members:
+                located[s] = (raw, int(self._catalog.token_offset[s]) - begin)
+        return located, skipped, time.perf_counter() - started, num_bytes
+
+    def _assemble_group(
+        self,
+        group: list[_GroupItem],
+        reads: list[tuple[int, int, int, list[int], Future[dict[str, np.ndarray]]]],
+    ) -> list[HostBatch]:
+        located, skipped, wait_s, num_bytes = self._resolve_reads(reads)
+        self.num_skipped_samples += len(skipped)
+        specs = self.specs
+        out = []
+        for n, (epoch, j, planned) in enumerate(group):
+            rows = [[int(s) for s in row if int(s) not in skipped] for row in planned]
+            num_skipped = sum(len(row) for row in planned) - sum(len(r) for r in rows)
+            layout = layout_rows([[self._clipped_length(s) for s in row] for row in rows], self.token_budget)
+            shape = (len(rows), self.token_budget)
+            input_ids = np.zeros(shape, dtype=np.int64)
+            loss_mask = np.zeros(shape, dtype=np.uint8)
+            features: dict[str, np.ndarray] = {}
+            for name, spec in specs.items():
+                for array_name in spec.array_names():
+                    per_token = spec.shape if array_name == name else spec.scale_shape
+                    dtype = np.float32 if array_name != name else np.dtype(spec.storage_dtype)
+                    features[array_name] = np.zeros((*shape, *per_token), dtype=dtype)
+            for b, row in enumerate(rows):
+                cursor = 0
+                for s in row:
+                    length = self._clipped_length(s)
+                    ids, mask = self._sample_tokens(s, length)
+                    input_ids[b, cursor : cursor + length] = ids
+                    loss_mask[b, cursor : cursor + length] = mask
+                    raw, offset = located[s]
+                    for array_name, target in features.items():
+                        target[b, cursor : cursor + length] = raw[array_name][offset : offset + length]
+                    cursor += length
+            out.append(
+                HostBatch(
+                    epoch=epoch,
+                    index=j,
+                    input_ids=input_ids,
+                    loss_mask=loss_mask,
+                    position_ids=layout.position_ids,
+                    doc_ids=layout.doc_ids,
+                    doc_remaining=layout.doc_remaining,
+                    doc_lengths=layout.doc_lengths,
+                    sample_indices=rows,
+                    features=features,
+                    num_real_tokens=layout.num_real_tokens,
+                    num_skipped_samples=num_skipped,
+                    # The group's read time and bytes are reported once, on its first batch.
+                    read_seconds=wait_s if n == 0 else 0.0,
+                    bytes_read=num_bytes if n == 0 else 0,
+                )
+            )
+        return out
+
+
+@dataclass
+class DeviceBatch:
+    """A batch on the training device: token tensors ``[B, T]`` and decoded features."""
+
+    epoch: int
+    index: int
+    input_ids: torch.Tensor  # int64
+    loss_mask: torch.Tensor  # bool
+    position_ids: torch.Tensor  # int64
+    doc_ids: torch.Tensor  # int32 (-1 on padding)
+    doc_remaining: torch.Tensor  # int32
+    features: dict[str, torch.Tensor]  # logical dtype (bf16 for bf16/fp8 codecs)
+    doc_lengths: list[list[int]]
+    num_real_tokens: int
+    num_padding_tokens: int
+    num_skipped_samples: int
+    read_seconds: float
+    bytes_read: int
+
+
+def to_device(
+    batch: HostBatch, specs: dict[str, FeatureSpec], device: str | torch.device, *, pin_memory: bool = False
+) -> DeviceBatch:
+    """Move a host batch to ``device`` and decode its features there (hsstore.codecs.decode_torch).
+
+    Arrays may already be torch tensors (a DataLoader worker converts them to share memory).
+    """
+    import torch
+
+    from hsstore import codecs
+
+    def tensor(array: Any) -> torch.Tensor:
+        t = array if isinstance(array, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(array))
+        if pin_memory and t.device.type == "cpu":
+            t = t.pin_memory()
+        return t.to(device, non_blocking=pin_memory)
+
+    features = {}
+    for name, spec in specs.items():
+        raw = {key: tensor(batch.features[key]) for key in spec.array_names()}
+        features[name] = codecs.decode_torch(spec, raw, name, device=device)
+    return DeviceBatch(
+        epoch=batch.epoch,
+        index=batch.index,
+        input_ids=tensor(batch.input_ids).long(),
+        loss_mask=tensor(batch.loss_mask).bool(),
+        position_ids=tensor(batch.position_ids).long(),
+        doc_ids=tensor(batch.doc_ids),
+        doc_remaining=tensor(batch.doc_remaining),
+        features=features,
+        doc_lengths=batch.doc_lengths,
+        num_real_tokens=batch.num_real_tokens,
+        num_padding_tokens=int(batch.input_ids.shape[0] * batch.input_ids.shape[1]) - batch.num_real_tokens,
+        num_skipped_samples=batch.num_skipped_samples,
+        read_seconds=batch.read_seconds,
+        bytes_read=batch.bytes_read,
+    )
+
+
+def _host_batch_to_torch(batch: HostBatch) -> HostBatch:
+    """Numpy arrays to CPU tensors, so that a DataLoader worker hands them over in shared memory
+    instead of pickling them through a pipe."""
+    import torch
+
+    def conv(a: np.ndarray) -> Any:
+        return torch.from_numpy(np.ascontiguousarray(a))
+
+    batch.input_ids = conv(batch.input_ids)
+    batch.loss_mask = conv(batch.loss_mask)
+    batch.position_ids = conv(batch.position_ids)
+    batch.doc_ids = conv(batch.doc_ids)
+    batch.doc_remaining = conv(batch.doc_remaining)
+    batch.features = {key: conv(value) for key, value in batch.features.items()}
+    return batch
+
+
+def _identity(batch: Any) -> Any:
+    return batch
+
+
+def make_dataloader(
+    store_url: str,
+    features: Sequence[str],
+    start: LoaderState | None = None,
+    *,
+    num_workers: int = 0,
+    max_epochs: int | None = None,
+    **loader_kwargs: Any,
+) -> Any:
+    """A ``torch.utils.data.DataLoader`` over :class:`StoreBatchDataset` yielding :class:`HostBatch`.
+
+    Batches arrive in the rank's stream order whatever ``num_workers`` is (the DataLoader's round
+    robin over workers matches the dataset's striding). Workers start with ``spawn``: they open the
+    store themselves, and fsspec's async filesystems are not fork-safe.
+    """
+    import torch.utils.data
+
+    dataset = __getattr__("StoreBatchDataset")(store_url, list(features), start, max_epochs=max_epochs, **loader_kwargs)
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=None,
+        num_workers=num_workers,
+        collate_fn=_identity,
+        multiprocessing_context="spawn" if num_workers > 0 else None,
+        persistent_workers=False,
+        prefetch_factor=2 if num_workers > 0 else None,
+    )
+
+
+class _StoreBatchDatasetMixin:
+    """A torch ``IterableDataset`` of one rank's packed batches (stored bits, on the host).
+
+    Holds only the URL and settings: each worker process builds its own :class:`StreamingLoader`.
+    The class is created on first access (module ``__getattr__``) so that importing this module does
+    not import torch.
+    """
+
+    def __init__(
+        self,
+        store_url: str,
+        features: list[str],
+        start: LoaderState | None = None,
+        *,
+        max_epochs: int | None = None,
+        **loader_kwargs: Any,
+    ) -> None:
+        self.store_url = store_url
+        self.features = features
+        self.start = start
+        self.max_epochs = max_epochs
+        self.loader_kwargs = loader_kwargs
+
+    def __iter__(self) -> Iterator[HostBatch]:
+        import torch.utils.data
+
+        info = torch.utils.data.get_worker_info()
+        worker_id, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        loader = StreamingLoader(self.store_url, self.features, **self.loader_kwargs)
+        for batch in loader.batches(
+            self.start, max_epochs=self.max_epochs, worker_id=worker_id, num_workers=num_workers
+        ):
+            yield _host_batch_to_torch(batch) if info is not None else batch
+
+
+def __getattr__(name: str) -> Any:
+    if name == "StoreBatchDataset":
+        from torch.utils.data import IterableDataset
+
+        cls = type(
+            "StoreBatchDataset",
+            (_StoreBatchDatasetMixin, IterableDataset),
+            {"__module__": __name__, "__doc__": _StoreBatchDatasetMixin.__doc__},
+        )
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class WaitTimer:
+    """Wraps an iterator and accumulates the time spent blocked in ``next()``: the data wait."""
+
+    def __init__(self, iterator: Iterator[Any]) -> None:
+        self._iterator = iterator
+        self.wait_seconds = 0.0
+        self.last_wait = 0.0
+
+    def __iter__(self) -> WaitTimer:
+        return self
+
+    def __next__(self) -> Any:
+        started = time.perf_counter()
+        try:
+            return next(self._iterator)
+        finally:
+            self.last_wait = time.perf_counter() - started
+            self.wait_seconds += self.last_wait
+
+
+__all__ = [
+    "DeviceBatch",
+    "HostBatch",
+    "LoaderError",
+    "LoaderState",
+    "StreamingLoader",
+    "WaitTimer",
+    "make_dataloader",
+    "to_device",
+]

@@ -1,0 +1,45 @@
+"""Shared fixtures: the in-repo reference target and helpers to build small stores."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+REFERENCE_TARGET = REPO_ROOT / "examples" / "reference-target"
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def reference_target() -> Path:
+    """The in-repo copy of the reference target (a fresh clone has it without ../shared)."""
+    assert (REFERENCE_TARGET / "config.json").exists(), REFERENCE_TARGET
+    return REFERENCE_TARGET
+
+
+@pytest.fixture(scope="session")
+def shared_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A writable copy of ../shared/data (CI mounts shared/ read-only)."""
+    if not SHARED_DATA.exists():
+        pytest.skip(f"{SHARED_DATA} not present")
+    target = tmp_path_factory.mktemp("shared-data")
+    for name in ("draft_train.jsonl", "eval_prompts.jsonl"):
+        shutil.copy(SHARED_DATA / name, target / name)
+    return target
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
