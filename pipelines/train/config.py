@@ -1,0 +1,175 @@
+"""The training recipe: one pydantic model per section, YAML mapped 1:1 onto it.
+
+Every training recipe has the top-level keys ``store``, ``target``, ``output_dir`` and ``max_steps``
+(the last overrides the schedule's length, for smoke runs). ``model`` picks the draft family
+(``eagle3``, or ``eagle4``: the same layer, usually with a ``draft.sliding_window``); ``stage`` picks
+what is trained (``draft``, or ``candidate_head``: EAGLE-4 stage 2 on a frozen stage-1 draft).
+Contradictions are refused on construction with the dotted key, so a bad sweep fails before the
+store is opened.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from pipelines.recipe import RecipeModel
+
+
+class VocabConfig(RecipeModel):
+    """The draft vocabulary: calibrated from the store, read from a file, or the full target vocab."""
+
+    draft_vocab_size: int | None = Field(
+        default=None,
+        gt=0,
+        description="keep the N most frequent loss-masked target ids of the store (32000 for 150k-vocab targets)",
+    )
+    vocab_file: str | None = Field(
+        default=None, description="a trimmed-vocabulary JSON (target ids kept) instead of calibrating"
+    )
+    full: bool = Field(default=False, description="use the whole target vocabulary (no d2t offsets)")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> VocabConfig:
+        chosen = [
+            name
+            for name, on in (
+                ("draft_vocab_size", self.draft_vocab_size is not None),
+                ("vocab_file", self.vocab_file is not None),
+                ("full", self.full),
+            )
+            if on
+        ]
+        if len(chosen) != 1:
+            raise ValueError(
+                "set exactly one of draft_vocab_size, vocab_file, full: true "
+                f"(found {', '.join(chosen) or 'none'})"
+            )
+        return self
+
+
+class DraftConfig(RecipeModel):
+    """The draft layer's shape. ``None`` copies the target's value (the engines need hidden_size equal
+    to the target's, which is therefore not a knob)."""
+
+    num_attention_heads: int | None = Field(default=None, gt=0)
+    num_key_value_heads: int | None = Field(default=None, gt=0)
+    head_dim: int | None = Field(default=None, gt=0)
+    intermediate_size: int | None = Field(default=None, gt=0)
+    sliding_window: int | None = Field(
+        default=None, gt=0, description="EAGLE-4: attend within this many positions (>= ttt_length)"
+    )
+    vocab: VocabConfig = Field(default_factory=lambda: VocabConfig(draft_vocab_size=32000))
+
+
+class CandidateHeadConfig(RecipeModel):
+    """EAGLE-4 stage 2: a rank-r head whose top ``num_candidates`` the server rescores exactly."""
+
+    rank: int = Field(default=256, gt=0, description="r of the factors down [r, H] and up [V_draft, r]")
+    num_candidates: int = Field(default=64, gt=0, description="K for recall@K")
+    draft_checkpoint: str | None = Field(
+        default=None, description="stage-1 checkpoint directory (its draft/ is loaded and frozen)"
+    )
+
+
+class OptimizerConfig(RecipeModel):
+    lr: float = Field(default=1e-4, gt=0, description="peak learning rate (AdamW)")
+    betas: tuple[float, float] = Field(default=(0.9, 0.95))
+    eps: float = Field(default=1e-8, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    grad_clip: float | None = Field(default=0.5, gt=0, description="max global grad norm; null = off")
+
+    @model_validator(mode="after")
+    def _check_betas(self) -> OptimizerConfig:
+        if not all(0.0 <= beta < 1.0 for beta in self.betas):
+            raise ValueError(f"betas must be in [0, 1), got {self.betas}")
+        return self
+
+
+class ScheduleConfig(RecipeModel):
+    """Linear warmup then cosine decay to ``min_lr_ratio * lr`` over ``epochs`` (or ``max_steps``)."""
+
+    epochs: int = Field(default=1, gt=0, description="passes over the store")
+    warmup_steps: int = Field(default=50, ge=0)
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+
+
+class LoaderConfig(RecipeModel):
+    """How the store is streamed (hsstore.loader): packing, shuffling, partitioning, reads."""
+
+    token_budget: int = Field(default=4096, gt=0, description="tokens per packed row (sequence length)")
+    rows_per_batch: int = Field(default=1, gt=0, description="packed rows per step and rank")
+    shuffle_window: int = Field(default=1024, gt=0, description="samples shuffled together (py1e window)")
+    remainder: Literal["drop", "wrap"] = Field(
+        default="drop",
+        description="batches that do not divide evenly across ranks: dropped, or filled from the epoch's start",
+    )
+    long_samples: Literal["error", "truncate"] = Field(
+        default="error", description="samples longer than token_budget: refuse, or truncate (counted)"
+    )
+    num_workers: int = Field(default=0, ge=0, description="DataLoader worker processes per rank")
+    read_threads: int = Field(default=4, gt=0, description="token-range reads in flight per loader")
+    prefetch_batches: int = Field(default=4, gt=0, description="batches read ahead of the step")
+
+
+class TrainRecipe(RecipeModel):
+    """``hsstore train RECIPE``: what is trained, from which store, against which target."""
+
+    store: str = Field(description="store URL (local path or any fsspec URL)")
+    target: str = Field(description="target model directory (only embed/norm/lm_head are read)")
+    output_dir: str = Field(description="metrics.jsonl, checkpoints/step_N, checkpoints/final")
+    max_steps: int | None = Field(
+        default=None, gt=0, description="stop after this many optimizer steps (overrides the schedule's length)"
+    )
+    model: Literal["eagle3", "eagle4"] = Field(default="eagle3", description="draft family")
+    stage: Literal["draft", "candidate_head"] = Field(default="draft", description="what is trained")
+    draft: DraftConfig = Field(default_factory=DraftConfig)
+    candidate_head: CandidateHeadConfig = Field(default_factory=CandidateHeadConfig)
+    ttt_length: int = Field(default=7, gt=0, description="training-time-test unroll depth")
+    loss_decay: float = Field(default=0.8, gt=0, le=1, description="weight decay^i of depth i's loss")
+    teacher: Literal["auto", "final_hidden", "topk", "draft_probs"] = Field(
+        default="auto", description="which stored target distribution to learn from (auto: the best present)"
+    )
+    init_from: str | None = Field(
+        default=None,
+        description="a pretrained draft (checkpoint dir, exported dir or .safetensors) to start from",
+    )
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    loader: LoaderConfig = Field(default_factory=LoaderConfig)
+    bf16: bool = Field(default=True, description="bf16 autocast for the draft's matmuls (CUDA only)")
+    seed: int = Field(default=0, ge=0, description="model init and the loader's order")
+    checkpoint_every: int | None = Field(default=None, gt=0, description="steps between checkpoints")
+    keep_checkpoints: int | None = Field(default=None, gt=0, description="keep the newest N step_* dirs")
+    log_every: int = Field(default=10, gt=0, description="steps between metrics.jsonl lines")
+    skip_corrupt: bool = Field(
+        default=False,
+        description="skip (and count) samples whose shard fails to read instead of stopping",
+    )
+    device: str = Field(default="auto", description="auto (cuda if present), cpu, cuda, cuda:N")
+    resume: bool = Field(default=True, description="continue from the newest checkpoint in output_dir")
+    expect_aux_layer_ids: list[int] | None = Field(
+        default=None, description="refuse a store whose aux layers differ (lineage check)"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainRecipe:
+        window = self.draft.sliding_window
+        if window is not None and window < self.ttt_length:
+            raise ValueError(
+                f"draft.sliding_window={window} is smaller than ttt_length={self.ttt_length}: "
+                "depth i attends to its own keys of depths 1..i, which a shorter window would cut"
+            )
+        if self.stage == "candidate_head" and self.candidate_head.draft_checkpoint is None:
+            raise ValueError(
+                "candidate_head.draft_checkpoint is required when stage is candidate_head "
+                "(the stage-1 draft to freeze)"
+            )
+        if self.stage == "candidate_head" and self.init_from is not None:
+            raise ValueError("init_from does not apply to stage candidate_head (use candidate_head.draft_checkpoint)")
+        if self.loader.token_budget <= self.ttt_length:
+            raise ValueError(
+                f"loader.token_budget={self.loader.token_budget} must exceed ttt_length={self.ttt_length}"
+            )
+        return self
