@@ -153,18 +153,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # float32 statistics like the engines, whatever the compute dtype.
-        x32 = x.float()
+        # At least float32 statistics like the engines, whatever the compute dtype.
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
 
 def rope_inv_freq(config: Eagle3Config, device: torch.device | None = None) -> torch.Tensor:
-    """Inverse RoPE frequencies in float32 (recomputed per call: a module buffer would be cast to
+    """Inverse RoPE frequencies in float64 (recomputed per call: a module buffer would be cast to
     bf16 by ``.to(dtype)`` and lose the precision long positions need)."""
     dim = config.head_dim
     inv_freq = 1.0 / (
-        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)
     )
     scaling = config.rope_scaling or {}
     if scaling.get("rope_type", "default") == "llama3":
@@ -185,12 +185,14 @@ def apply_rope(
     x_BNTD: torch.Tensor, position_ids_BT: torch.Tensor, inv_freq: torch.Tensor
 ) -> torch.Tensor:
     """Rotate-half RoPE (the Llama/HF convention, not interleaved pairs)."""
-    angles_BTF = position_ids_BT[..., None].float() * inv_freq
+    # At least float32 angles (as the engines compute them), float64 for float64 models.
+    dtype = torch.promote_types(x_BNTD.dtype, torch.float32)
+    angles_BTF = position_ids_BT[..., None].to(dtype) * inv_freq.to(dtype)
     emb_BTD = torch.cat([angles_BTF, angles_BTF], dim=-1)
     cos, sin = emb_BTD.cos()[:, None], emb_BTD.sin()[:, None]
     x1, x2 = x_BNTD.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
-    return (x_BNTD.float() * cos + rotated.float() * sin).to(x_BNTD.dtype)
+    return (x_BNTD.to(dtype) * cos + rotated.to(dtype) * sin).to(x_BNTD.dtype)
 
 
 def causal_mask(

@@ -1,0 +1,199 @@
+"""EAGLE-3 training-time test (TTT): unroll the draft on its own outputs and score every depth.
+
+Alignment (docs/draft-model.md): at position t the draft gets the target's fused aux state of
+position t and the embedding of token t+1, and predicts token t+2. Depth i (TTT step i) at
+position t feeds back the draft's own depth-(i-1) output at t, embeds token t+1+i, uses RoPE
+position ``position_ids[t] + i`` and predicts token t+2+i, whose teacher is the target's
+distribution at position t+1+i.
+
+Attention at depth i, query at t: the depth-0 keys of positions s <= t of the same document (as in
+decoding, where the context's keys come from target features), plus the keys that position t
+itself produced at depths 1..i (the draft's own drafted chain). With a sliding window W, a key at
+RoPE position p is visible iff ``position_ids[t] + i - p < W``, matching how vLLM windows the
+draft's KV cache by sequence position. This module builds that pattern as an explicit bool mask
+over a KV cache that grows by T keys per depth, and runs the same ``Eagle3Draft.forward`` the
+evaluator uses.
+
+Masks and packing: position (t, i) is scored iff token t+2+i lies in t's document
+(``doc_remaining[t] >= 2 + i``), token t+2+i is in the loss mask, and the teacher at t+1+i is
+valid (its target argmax is in the draft vocabulary). ``loss_mask[j]`` is the extraction's
+per-token mask (1 = token j is an assistant token to learn), so "predicting token j counts iff
+loss_mask[j]".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pipelines.models.eagle3 import Eagle3Draft
+
+DEFAULT_TTT_LENGTH = 7
+DEFAULT_DECAY = 0.8
+
+
+@dataclass
+class TTTOutput:
+    loss: torch.Tensor  # scalar: sum_i decay**i * step_losses[i]
+    step_losses: list[torch.Tensor]  # scalar per depth: masked mean CE against the teacher
+    step_accuracies: list[torch.Tensor]  # scalar per depth: argmax(draft) == argmax(teacher)
+    step_counts: list[torch.Tensor]  # int64 scalar per depth: positions scored
+    step_loss_sums: list[torch.Tensor]  # un-normalised CE sums (for exact DDP averaging)
+    step_correct: list[torch.Tensor]  # int64 number of argmax matches per depth
+    hidden_per_step: list[torch.Tensor]  # [B, T, H] draft output at each depth
+    step_masks: list[torch.Tensor]  # [B, T] bool: positions scored at each depth
+
+
+def doc_remaining_from_ids(doc_ids_BT: torch.Tensor) -> torch.Tensor:
+    """Tokens left after t in t's document ([B, T] int64; 0 at a document's last token).
+
+    Documents are contiguous runs of equal ids (padding may form its own run)."""
+    B, T = doc_ids_BT.shape
+    idx = torch.arange(T, device=doc_ids_BT.device).expand(B, T)
+    is_last = torch.ones_like(doc_ids_BT, dtype=torch.bool)
+    is_last[:, :-1] = doc_ids_BT[:, 1:] != doc_ids_BT[:, :-1]
+    end = torch.where(is_last, idx, torch.full_like(idx, T))
+    # end[t] = first document end at or after t: a reversed running minimum.
+    end = end.flip(-1).cummin(-1).values.flip(-1)
+    return end - idx
+
+
+def shift_left(x_BT: torch.Tensor, k: int, fill: int | bool | float = 0) -> torch.Tensor:
+    """x[:, t + k] at t, ``fill`` past the end."""
+    if k == 0:
+        return x_BT
+    pad = torch.full_like(x_BT[:, :k], fill)
+    return torch.cat([x_BT[:, k:], pad], dim=1)
+
+
+def ttt_attention_mask(
+    doc_ids_BT: torch.Tensor,
+    position_ids_BT: torch.Tensor,
+    depth: int,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Bool [B, T, (depth + 1) * T]: depth-0 keys (causal, same document, windowed) followed by
+    one diagonal block per depth 1..depth (each position sees only its own drafted keys)."""
+    B, T = doc_ids_BT.shape
+    device = doc_ids_BT.device
+    idx = torch.arange(T, device=device)
+    base = (idx[None, :, None] >= idx[None, None, :]) & (
+        doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :]
+    )
+    if sliding_window is not None:
+        distance = position_ids_BT[:, :, None] + depth - position_ids_BT[:, None, :]
+        base = base & (distance < sliding_window)
+    if depth == 0:
+        return base
+    diagonal = torch.eye(T, dtype=torch.bool, device=device).expand(B, T, T)
+    return torch.cat([base, *([diagonal] * depth)], dim=-1)
+
+
+def ttt_unroll(
+    draft: Eagle3Draft,
+    aux_BTKH: torch.Tensor,
+    input_ids_BT: torch.Tensor,
+    position_ids_BT: torch.Tensor,
+    doc_ids_BT: torch.Tensor | None = None,
+    ttt_length: int = DEFAULT_TTT_LENGTH,
+) -> list[torch.Tensor]:
+    """Run the draft for ``ttt_length`` depths; returns the hidden output of each depth.
+
+    Positions whose shifted inputs fall outside their document compute garbage that no scored
+    position can see (causality and the document mask guarantee it); the step masks drop them.
+    """
+    window = draft.config.sliding_window
+    if window is not None and window < ttt_length:
+        raise ValueError(
+            f"sliding_window={window} is shorter than ttt_length={ttt_length}: depth i could not "
+            "see its own earlier drafted keys"
+        )
+    if doc_ids_BT is None:
+        doc_ids_BT = torch.zeros_like(input_ids_BT)
+    hidden = draft.fuse_aux(aux_BTKH)
+    cache = None
+    hidden_per_step = []
+    for depth in range(ttt_length):
+        mask = ttt_attention_mask(doc_ids_BT, position_ids_BT, depth, window)
+        out = draft(
+            shift_left(input_ids_BT, 1 + depth),
+            hidden,
+            position_ids_BT + depth,
+            attention_mask=mask,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        cache = out.past_key_values
+        hidden = out.hidden_BTD
+        hidden_per_step.append(hidden)
+    return hidden_per_step
+
+
+def ttt_step_masks(
+    loss_mask_BT: torch.Tensor,
+    doc_remaining_BT: torch.Tensor,
+    teacher_valid_BT: torch.Tensor | None,
+    ttt_length: int,
+) -> list[torch.Tensor]:
+    """[B, T] bool per depth: the positions whose depth-i prediction is scored."""
+    masks = []
+    for depth in range(ttt_length):
+        mask = (doc_remaining_BT >= 2 + depth) & shift_left(loss_mask_BT.bool(), 2 + depth, False)
+        if teacher_valid_BT is not None:
+            mask = mask & shift_left(teacher_valid_BT.bool(), 1 + depth, False)
+        masks.append(mask)
+    return masks
+
+
+def ttt_forward(
+    draft: Eagle3Draft,
+    aux_BTKH: torch.Tensor,
+    input_ids_BT: torch.Tensor,
+    position_ids_BT: torch.Tensor,
+    loss_mask_BT: torch.Tensor,
+    teacher_probs_BTV: torch.Tensor,
+    teacher_valid_BT: torch.Tensor | None = None,
+    doc_ids_BT: torch.Tensor | None = None,
+    ttt_length: int = DEFAULT_TTT_LENGTH,
+    decay: float = DEFAULT_DECAY,
+) -> TTTOutput:
+    """The EAGLE-3 TTT loss: ``sum_i decay**i * CE_i`` with CE_i the masked mean cross-entropy
+    of the depth-i draft logits against the teacher (see the module docstring for alignment).
+
+    ``teacher_probs_BTV`` is the target's distribution at each position over the draft
+    vocabulary (pipelines.train.teacher); ``doc_ids_BT`` marks packed documents (None: one per
+    row). Logits are computed only at scored positions, so masked tokens cost no lm_head FLOPs.
+    """
+    if doc_ids_BT is None:
+        doc_ids_BT = torch.zeros_like(input_ids_BT)
+    hidden_per_step = ttt_unroll(
+        draft, aux_BTKH, input_ids_BT, position_ids_BT, doc_ids_BT, ttt_length
+    )
+    masks = ttt_step_masks(
+        loss_mask_BT, doc_remaining_from_ids(doc_ids_BT), teacher_valid_BT, ttt_length
+    )
+    T = input_ids_BT.shape[1]
+    # The loss is computed in at least float32 whatever the compute dtype (bf16 logits lose CE precision).
+    loss_dtype = torch.promote_types(hidden_per_step[0].dtype, torch.float32)
+    total = hidden_per_step[0].new_zeros((), dtype=loss_dtype)
+    out = TTTOutput(total, [], [], [], [], [], hidden_per_step, masks)
+    for depth, (hidden, mask) in enumerate(zip(hidden_per_step, masks, strict=True)):
+        # Position t is scored against the teacher at t + 1 + depth (a view, no copy).
+        usable = T - 1 - depth
+        sel = mask[:, :usable] if usable > 0 else mask[:, :0]
+        logits_NV = draft.compute_logits(hidden[:, : sel.shape[1]][sel]).to(loss_dtype)
+        teacher_NV = teacher_probs_BTV[:, 1 + depth :][sel].to(loss_dtype)
+        ce_sum = -(teacher_NV * F.log_softmax(logits_NV, dim=-1)).sum()
+        count = sel.sum()
+        correct = (logits_NV.argmax(-1) == teacher_NV.argmax(-1)).sum()
+        step_loss = ce_sum / count.clamp(min=1)
+        total = total + decay**depth * step_loss
+        out.step_loss_sums.append(ce_sum)
+        out.step_losses.append(step_loss)
+        out.step_counts.append(count)
+        out.step_correct.append(correct)
+        out.step_accuracies.append(correct.float() / count.clamp(min=1))
+    out.loss = total
+    return out
