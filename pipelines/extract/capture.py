@@ -1,0 +1,182 @@
+"""Capture the target's hidden states with forward hooks, for the valid tokens of a padded batch.
+
+Layer convention (DESIGN.md): aux layer id ``i`` is ``hidden_states[i]`` of transformers'
+``output_hidden_states``: the hidden state *entering* decoder layer ``i`` (``i == 0`` is the
+embedding output). It is captured by a forward *pre*-hook on ``layers[i]``. ``i == L`` (one past
+the last layer) is what transformers returns as ``hidden_states[L]``: the final norm's output,
+for Llama/Qwen/Mistral-style models (checked by the tests against ``output_hidden_states``).
+
+The final state is the post-norm output of the last layer, i.e. what the lm_head multiplies:
+a forward hook on the base model's final norm. Only the base model runs (``model.model``); the
+vocabulary projection runs only when ``topk`` is asked for, chunked over tokens on the device,
+and only the k kept values and ids leave it.
+
+Padding: batches are right-padded (see batching.collate). Only rows' valid prefixes are gathered
+(``hidden_BTD[attention_mask_BT]``), so padded positions never reach a feature; with causal
+attention a valid token never attends to a later pad either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+AUX_FEATURE = "aux_hidden_states"
+FINAL_FEATURE = "final_hidden_state"
+TOPK_LOGITS_FEATURE = "topk_logits"
+TOPK_IDS_FEATURE = "topk_ids"
+
+
+class UnsupportedModelError(ValueError):
+    """The model's decoder layers or final norm cannot be found to hook."""
+
+
+@dataclass(frozen=True)
+class DecoderParts:
+    """The modules capture hooks onto, found by name on any HF causal LM."""
+
+    base: nn.Module  # the model without the lm_head (model.model)
+    layers: nn.ModuleList
+    final_norm: nn.Module
+    lm_head: nn.Module | None
+
+
+def find_decoder_parts(model: nn.Module) -> DecoderParts:
+    """Locate base model, decoder layers, final norm and lm_head of a causal LM.
+
+    Llama/Qwen/Mistral/Gemma (``model.layers``, ``model.norm``), GPT-2/Falcon style
+    (``transformer.h``, ``ln_f``) and OPT style (``decoder.layers``, ``final_layer_norm``).
+    """
+    base = getattr(model, "base_model", None) or getattr(model, "model", None) or model
+    inner = base
+    if not hasattr(inner, "layers") and hasattr(inner, "decoder"):
+        inner = inner.decoder
+    layers = getattr(inner, "layers", None) or getattr(inner, "h", None)
+    norm = None
+    for name in ("norm", "ln_f", "final_layer_norm", "final_layernorm"):
+        norm = getattr(inner, name, None)
+        if norm is not None:
+            break
+    if not isinstance(layers, nn.ModuleList) or norm is None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: cannot find decoder layers (layers/h) and final norm "
+            "(norm/ln_f/final_layer_norm) on the base model; this architecture is not supported"
+        )
+    lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return DecoderParts(base=base, layers=layers, final_norm=norm, lm_head=lm_head)
+
+
+class HiddenStateCapture:
+    """Runs the base model on a padded batch and returns features of the valid tokens, packed.
+
+    Returned tensors stay on the model's device: ``aux_hidden_states`` ``[N, K, H]``,
+    ``final_hidden_state`` ``[N, H]``, and with ``topk_k``: ``topk_logits`` ``[N, k]`` (raw logits,
+    float32) and ``topk_ids`` ``[N, k]`` (int32); ``N`` is the batch's real token count, rows in
+    order. Hooks are registered for the capture's lifetime; call :meth:`close` (or use ``with``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        aux_layer_ids: Sequence[int],
+        *,
+        final_hidden_state: bool = True,
+        topk_k: int | None = None,
+        topk_chunk_tokens: int = 4096,
+        pass_attention_mask: bool = True,
+    ) -> None:
+        self.model = model
+        self.parts = find_decoder_parts(model)
+        self.num_layers = len(self.parts.layers)
+        bad = [i for i in aux_layer_ids if not 0 <= i <= self.num_layers]
+        if bad:
+            raise ValueError(
+                f"aux_layer_ids {bad} out of range: this model has {self.num_layers} decoder layers, "
+                f"so ids go from 0 (embeddings) to {self.num_layers} (final norm output)"
+            )
+        if topk_k is not None and self.parts.lm_head is None:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} has no lm_head to compute top-k with"
+            )
+        self.aux_layer_ids = list(aux_layer_ids)
+        self.final_hidden_state = final_hidden_state
+        self.topk_k = topk_k
+        self.topk_chunk_tokens = topk_chunk_tokens
+        self.pass_attention_mask = pass_attention_mask
+        self.softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+        self._captured: dict[int | str, torch.Tensor] = {}
+        self._handles: list[Any] = []
+        for layer_id in sorted(set(self.aux_layer_ids)):
+            if layer_id < self.num_layers:
+                handle = self.parts.layers[layer_id].register_forward_pre_hook(
+                    self._pre_hook(layer_id), with_kwargs=True
+                )
+                self._handles.append(handle)
+        self._handles.append(self.parts.final_norm.register_forward_hook(self._norm_hook))
+
+    def _pre_hook(self, layer_id: int) -> Any:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            hidden = args[0] if args else kwargs["hidden_states"]
+            self._captured[layer_id] = hidden
+
+        return hook
+
+    def _norm_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._captured["final"] = output[0] if isinstance(output, tuple) else output
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __enter__(self) -> HiddenStateCapture:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @torch.inference_mode()
+    def __call__(
+        self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        self._captured.clear()
+        try:
+            self.parts.base(
+                input_ids=input_ids_BT,
+                attention_mask=attention_mask_BT if self.pass_attention_mask else None,
+                use_cache=False,
+            )
+            valid_BT = attention_mask_BT.bool()
+            final_BTD = self._captured["final"]
+            features: dict[str, torch.Tensor] = {}
+            if self.aux_layer_ids:
+                per_layer = [
+                    (final_BTD if i == self.num_layers else self._captured[i])[valid_BT]
+                    for i in self.aux_layer_ids
+                ]
+                features[AUX_FEATURE] = torch.stack(per_layer, dim=1)  # [N, K, H]
+            final_NH = final_BTD[valid_BT]
+            if self.final_hidden_state:
+                features[FINAL_FEATURE] = final_NH
+            if self.topk_k is not None:
+                features[TOPK_LOGITS_FEATURE], features[TOPK_IDS_FEATURE] = self._topk(final_NH)
+            return features
+        finally:
+            self._captured.clear()
+
+    def _topk(self, final_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k logits over the full vocabulary, a chunk of tokens at a time (bounded memory)."""
+        assert self.parts.lm_head is not None and self.topk_k is not None
+        values, ids = [], []
+        for chunk_CH in final_NH.split(self.topk_chunk_tokens):
+            logits_CV = self.parts.lm_head(chunk_CH).float()
+            if self.softcap:
+                logits_CV = torch.tanh(logits_CV / self.softcap) * self.softcap
+            top = logits_CV.topk(self.topk_k, dim=-1)
+            values.append(top.values)
+            ids.append(top.indices.to(torch.int32))
+        return torch.cat(values), torch.cat(ids)

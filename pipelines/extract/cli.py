@@ -1,0 +1,45 @@
+"""``hsstore extract RECIPE [--set KEY=VALUE]...``: argparse only; the work imports lazily."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "extract",
+        help="run the target over a dataset and fill a store (resumes when rerun)",
+        description=(
+            "Run the target model over the recipe's data and write its hidden states into the "
+            "store. Rerunning the same recipe resumes: committed units are skipped."
+        ),
+    )
+    parser.add_argument("recipe", help="YAML recipe (see recipes/reference/extract.yaml)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe key, dotted, YAML value (--set limit=100 --set executor=local)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipelines.extract import run_extraction
+    from pipelines.extract.recipe import ExtractRecipe
+    from pipelines.recipe import load_recipe
+
+    recipe = load_recipe(ExtractRecipe, args.recipe, args.overrides)
+    summary = run_extraction(recipe, progress=not args.no_progress and sys.stderr.isatty())
+    if args.json:
+        print(json.dumps(summary.to_json(), indent=2))
+    else:
+        print(summary.format())
+    return 0

@@ -1,0 +1,214 @@
+"""The extraction driver: plan, skip what is committed, run the rest, commit unit by unit.
+
+Order of a run (each step is a function of the recipe and the data, so reruns agree):
+
+1. tokenizer and target identity; read, validate and tokenize every record (rejections counted
+   by reason, written to ``<store>/rejects/extract.jsonl``);
+2. features and lineage; an existing store must have the same lineage (else refused, naming the
+   field), so a rerun can only resume the same extraction;
+3. cut the accepted samples into units; units whose shard id is already committed are skipped;
+4. the executor runs the rest; as each unit finishes its shard is committed (the manifest is the
+   commit point), so a crash loses only the units in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from hsstore import commit_shards, committed_shard_ids, ensure_store
+from hsstore.location import StoreLocation
+from pipelines.extract.plan import (
+    aux_layer_ids_for,
+    build_features,
+    build_lineage,
+    plan_units,
+    read_samples,
+    reconcile_lineage,
+    resolve_target,
+    write_rejects,
+)
+from pipelines.extract.recipe import ExtractRecipe
+from pipelines.extract.summary import ExtractionSummary
+from pipelines.extract.tokenize import SampleTokenizer
+from pipelines.extract.worker import UnitResult, WorkerSpec
+from pipelines.target_identity import (
+    chat_template_sha256,
+    read_config,
+    text_config,
+    tokenizer_sha256,
+)
+
+logger = logging.getLogger(__name__)
+
+CommitHook = Callable[[UnitResult, Any], None]
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def make_sample_tokenizer(recipe: ExtractRecipe, tokenizer_dir: str) -> SampleTokenizer:
+    """The recipe's tokenization, with the tokenizer and template hashes folded into sample ids."""
+    tokenizer = load_tokenizer(tokenizer_dir, recipe.model.trust_remote_code)
+    return SampleTokenizer(
+        tokenizer,
+        max_length=recipe.batching.max_length,
+        too_long=recipe.batching.too_long,
+        loss_mask=recipe.tokenizer.loss_mask,
+        chat_template_kwargs=recipe.tokenizer.chat_template_kwargs,
+        identity={
+            "tokenizer_sha256": tokenizer_sha256(tokenizer_dir),
+            "chat_template_sha256": chat_template_sha256(getattr(tokenizer, "chat_template", None)),
+        },
+    )
+
+
+def run_extraction(
+    recipe: ExtractRecipe, *, progress: bool = False, on_commit: CommitHook | None = None
+) -> ExtractionSummary:
+    """Run (or resume) the extraction the recipe describes and return its summary.
+
+    ``progress`` shows a tqdm bar (samples, tokens, tokens/s). ``on_commit(result, executor)`` is
+    called after each unit's commit (tests use it to inject faults).
+    """
+    wall_start = time.perf_counter()
+    location = StoreLocation(recipe.store)
+    target_dir = resolve_target(recipe.target, recipe.model.revision)
+    tokenizer_dir = recipe.tokenizer.path or target_dir
+    sample_tokenizer = make_sample_tokenizer(recipe, tokenizer_dir)
+    plan = read_samples(recipe, sample_tokenizer)
+    rejects_path = write_rejects(location, plan.rejections)
+    summary = ExtractionSummary(
+        store=recipe.store,
+        rejects_path=rejects_path,
+        num_records=plan.num_records,
+        num_samples=len(plan.samples),
+        num_tokens=plan.num_tokens,
+        num_loss_tokens=sum(int(s.loss_mask.sum()) for s in plan.samples),
+        rejected=plan.rejected_by_reason,
+        num_truncated=plan.num_truncated,
+    )
+    for rejection in plan.rejections[:5]:
+        logger.warning("rejected (%s) %s", rejection.reason, rejection.message)
+    if len(plan.rejections) > 5:
+        logger.warning("... %d more rejections in %s", len(plan.rejections) - 5, rejects_path)
+    if not plan.samples:
+        logger.warning(
+            "no sample was accepted from %d records; nothing to extract", plan.num_records
+        )
+        summary.wall_seconds = time.perf_counter() - wall_start
+        return summary
+
+    config = text_config(read_config(target_dir))
+    aux_layer_ids = aux_layer_ids_for(recipe, int(config["num_hidden_layers"]))
+    features = build_features(recipe, len(aux_layer_ids), int(config["hidden_size"]))
+    summary.feature_bytes_per_token = sum(f.raw_bytes_per_token for f in features)
+    lineage = build_lineage(
+        recipe, target_dir, tokenizer_dir, sample_tokenizer, aux_layer_ids, plan.fingerprint()
+    )
+    lineage = reconcile_lineage(location, lineage)
+    ensure_store(location, features=features, lineage=lineage)
+
+    units = plan_units(plan.samples, recipe.units.max_tokens, recipe.units.max_samples)
+    done = committed_shard_ids(location)
+    todo = [u for u in units if u.shard_id not in done]
+    summary.num_units = len(units)
+    summary.num_units_skipped = len(units) - len(todo)
+    if summary.num_units_skipped:
+        logger.info(
+            "resuming: %d of %d units already committed", summary.num_units_skipped, len(units)
+        )
+
+    if todo:
+        pad_token_id = sample_tokenizer.tokenizer.pad_token_id
+        if pad_token_id is None:
+            pad_token_id = sample_tokenizer.tokenizer.eos_token_id or 0
+        spec = WorkerSpec(
+            target=target_dir,
+            store=recipe.store,
+            features=tuple(features),
+            aux_layer_ids=tuple(aux_layer_ids),
+            final_hidden_state=recipe.capture.final_hidden_state,
+            topk_k=recipe.capture.topk_k if recipe.capture.target_distribution == "topk" else None,
+            topk_chunk_tokens=recipe.capture.topk_chunk_tokens,
+            dtype=recipe.model.dtype,
+            device=recipe.model.device,
+            attn_implementation=recipe.model.attn_implementation,
+            trust_remote_code=recipe.model.trust_remote_code,
+            token_budget=recipe.batching.token_budget,
+            max_batch_size=recipe.batching.max_batch_size,
+            pad_to_multiple_of=recipe.batching.pad_to_multiple_of,
+            pass_attention_mask=recipe.batching.pass_attention_mask,
+            pad_token_id=int(pad_token_id),
+        )
+        _run_units(recipe, spec, todo, features, lineage, location, summary, progress, on_commit)
+
+    from hsstore.writer import read_manifest
+
+    manifest = read_manifest(location)
+    summary.store_bytes = manifest.num_bytes if manifest else 0
+    summary.wall_seconds = time.perf_counter() - wall_start
+    return summary
+
+
+def _run_units(
+    recipe: ExtractRecipe,
+    spec: WorkerSpec,
+    todo: list[Any],
+    features: list[Any],
+    lineage: Any,
+    location: StoreLocation,
+    summary: ExtractionSummary,
+    progress: bool,
+    on_commit: CommitHook | None,
+) -> None:
+    from tqdm.auto import tqdm
+
+    if recipe.executor == "ray":
+        from pipelines.extract.executors import RayExecutor
+
+        executor: Any = RayExecutor(spec, recipe.ray)
+    else:
+        from pipelines.extract.executors import LocalExecutor
+
+        executor = LocalExecutor(spec)
+    total_tokens = sum(u.num_tokens for u in todo)
+    bar = tqdm(
+        total=total_tokens,
+        unit="tok",
+        unit_scale=True,
+        disable=not progress,
+        desc="extract",
+        smoothing=0.1,
+    )
+    start = time.perf_counter()
+    units_done = summary.num_units_skipped
+
+    def on_result(result: UnitResult) -> None:
+        nonlocal units_done
+        commit_shards(location, [result.record], features=features, lineage=lineage)
+        units_done += 1
+        summary.num_samples_written += result.num_samples
+        summary.num_tokens_written += result.num_tokens
+        summary.num_padded_tokens += result.num_padded_tokens
+        elapsed = time.perf_counter() - start
+        bar.update(result.num_tokens)
+        bar.set_postfix(
+            samples=summary.num_samples_written,
+            units=f"{units_done}/{summary.num_units}",
+            tok_s=f"{summary.num_tokens_written / max(elapsed, 1e-9):,.0f}",
+        )
+        if on_commit is not None:
+            on_commit(result, executor)
+
+    try:
+        executor.run(todo, on_result)
+    finally:
+        summary.extract_seconds = time.perf_counter() - start
+        bar.close()
+        executor.close()

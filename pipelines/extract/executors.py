@@ -1,0 +1,148 @@
+"""Executors: who runs the workers. In process (debugging, profiling, the GPU benchmark) or Ray actors.
+
+Both take the same :class:`WorkerSpec` and units and call ``on_result`` in the driver as each unit
+finishes, which is where the driver commits that unit's shard. So a crash of the driver loses at
+most the units in flight, and the in-process executor runs exactly the worker code the actors run.
+
+Ray design (docs/extraction.md has the long form): Ray *core actors*, not Ray Data. A unit is a
+whole shard, written by the actor straight to the store; only the small ShardRecord comes back
+through the object store. Ray Data's ``map_batches`` would move features through the object store
+(a copy of ~24 KiB/token for an 8B target, and no bf16 dtype) and offers no per-unit commit point.
+Actors are created with ``max_restarts``/``max_task_retries``: a unit whose actor died is rerun on
+the restarted actor, and since a unit always writes the same shard id into a fresh attempt folder
+and the committer keeps the first record per id, a unit run twice is committed once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pipelines.extract.errors import ExtractionError
+from pipelines.extract.recipe import RaySection
+from pipelines.extract.worker import ExtractionWorker, UnitResult, WorkerSpec, WorkUnit
+
+logger = logging.getLogger(__name__)
+
+ResultCallback = Callable[[UnitResult], None]
+
+
+class LocalExecutor:
+    """Runs the worker in this process, one unit after another."""
+
+    def __init__(self, spec: WorkerSpec, worker: ExtractionWorker | None = None):
+        self.worker = worker if worker is not None else ExtractionWorker(spec)
+
+    def run(self, units: Sequence[WorkUnit], on_result: ResultCallback) -> None:
+        for unit in units:
+            on_result(self.worker.run_unit(unit))
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+class _WorkerActor:
+    """The Ray actor: an ExtractionWorker that lives as long as the actor (the model stays loaded)."""
+
+    def __init__(self, spec: WorkerSpec):
+        self.worker = ExtractionWorker(spec)
+
+    def run_unit(self, unit: WorkUnit) -> UnitResult:
+        return self.worker.run_unit(unit)
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+class RayExecutor:
+    """Ray core actors: one per GPU (or ``num_workers`` CPU actors); the driver hands out units.
+
+    Joins the cluster at ``settings.address`` or starts Ray locally when Ray is not initialised yet
+    (and shuts it down on :meth:`close` only then).
+    """
+
+    def __init__(self, spec: WorkerSpec, settings: RaySection):
+        import ray
+
+        self.settings = settings
+        self._started_ray = False
+        if not ray.is_initialized():
+            ray.init(address=settings.address, include_dashboard=False, log_to_driver=True)
+            self._started_ray = True
+        cluster_gpus = float(ray.cluster_resources().get("GPU", 0.0))
+        num_gpus = settings.num_gpus_per_worker
+        if num_gpus is None:
+            num_gpus = 1.0 if cluster_gpus >= 1 else 0.0
+        num_workers = settings.num_workers
+        if num_workers is None:
+            num_workers = max(1, int(cluster_gpus // num_gpus)) if num_gpus else 1
+        if num_gpus == 0 and spec.device == "auto":
+            # An actor given no GPU must not grab one the scheduler gave to another actor.
+            spec = _replace(spec, device="cpu")
+        actor_class = ray.remote(_WorkerActor).options(
+            num_cpus=settings.num_cpus_per_worker,
+            num_gpus=num_gpus,
+            max_restarts=settings.max_restarts,
+            max_task_retries=settings.max_task_retries,
+        )
+        self.actors = [actor_class.remote(spec) for _ in range(num_workers)]
+        logger.info("started %d extraction actors (%s GPU each)", num_workers, num_gpus)
+
+    def actor_pids(self) -> list[int]:
+        """Process ids of the actors (the tests SIGKILL one to check that its unit is retried)."""
+        import ray
+
+        return ray.get([actor.pid.remote() for actor in self.actors])
+
+    def run(self, units: Sequence[WorkUnit], on_result: ResultCallback) -> None:
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        pending = deque(units)
+        in_flight: dict[Any, tuple[Any, WorkUnit]] = {}
+
+        def submit(actor: Any) -> None:
+            if pending:
+                unit = pending.popleft()
+                in_flight[actor.run_unit.remote(unit)] = (actor, unit)
+
+        for _ in range(self.settings.units_in_flight_per_worker):
+            for actor in self.actors:
+                submit(actor)
+        while in_flight:
+            ready, _ = ray.wait(list(in_flight), num_returns=1)
+            ref = ready[0]
+            actor, unit = in_flight.pop(ref)
+            try:
+                result = ray.get(ref)
+            except RayTaskError as err:
+                raise ExtractionError(
+                    f"unit {unit.index} (shard {unit.shard_id}) failed: {err.cause or err}"
+                ) from err
+            except RayActorError as err:
+                raise ExtractionError(
+                    f"unit {unit.index} (shard {unit.shard_id}): its actor died more than "
+                    f"max_restarts={self.settings.max_restarts} times ({err}); rerun the same "
+                    "recipe to resume"
+                ) from err
+            on_result(result)
+            submit(actor)
+
+    def close(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors = []
+        if self._started_ray:
+            ray.shutdown()
+
+
+def _replace(spec: WorkerSpec, **changes: Any) -> WorkerSpec:
+    import dataclasses
+
+    return dataclasses.replace(spec, **changes)

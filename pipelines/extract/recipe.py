@@ -1,0 +1,188 @@
+"""The extraction recipe: a pydantic model that YAML files under ``recipes/`` map onto 1:1.
+
+Top-level keys every extraction recipe has: ``target`` (model directory or hub id), ``data`` (list
+of JSONL/Parquet paths or URLs), ``store`` (URL) and ``limit``. The sections configure one
+concern each. Relative paths are relative to the working directory (run from the repository
+root, as the README does). Unknown keys are refused with their dotted path.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from pipelines.recipe import RecipeModel
+
+Codec = Literal["bf16", "fp8_e4m3", "float32", "int32"]
+Compression = Literal["none", "zstd", "blosc"]
+
+
+class ModelSection(RecipeModel):
+    """How the target is loaded."""
+
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="compute dtype of the target during extraction"
+    )
+    device: str = Field(
+        "auto", description="auto (cuda when available, else cpu), cpu, cuda, cuda:N"
+    )
+    attn_implementation: str | None = Field(
+        "sdpa", description="transformers attention implementation (sdpa, flash_attention_2, eager)"
+    )
+    trust_remote_code: bool = Field(
+        False,
+        description="run model code shipped with the checkpoint (off: it executes arbitrary code)",
+    )
+    revision: str | None = Field(None, description="hub revision, for hub ids only")
+
+
+class TokenizerSection(RecipeModel):
+    """How records become tokens and loss masks."""
+
+    path: str | None = Field(None, description="tokenizer directory; default: the target's")
+    loss_mask: Literal["auto", "generation_markers", "prefix_diff"] = Field(
+        "auto",
+        description="how assistant tokens are found: the template's {% generation %} markers, "
+        "or the prefix-diff fallback (auto: markers when the template has them)",
+    )
+    require_assistant: bool = Field(
+        True, description="reject chat records without an assistant turn (nothing would carry loss)"
+    )
+    chat_template_kwargs: dict[str, object] = Field(
+        default_factory=dict,
+        description="extra variables for the chat template, e.g. enable_thinking",
+    )
+
+
+class CaptureSection(RecipeModel):
+    """Which features are captured."""
+
+    aux_layer_ids: list[int] | None = Field(
+        None, description="hidden_states indices (0 = embeddings); default [2, L//2, L-3]"
+    )
+    final_hidden_state: bool = Field(True, description="store the post-norm final hidden state")
+    target_distribution: Literal["final_hidden", "topk"] = Field(
+        "final_hidden",
+        description="final_hidden: the trainer rebuilds logits with the lm_head; "
+        "topk: also run the lm_head here and keep the top-k logits and ids",
+    )
+    topk_k: int = Field(20, ge=1, description="k for target_distribution=topk")
+    topk_chunk_tokens: int = Field(
+        4096, ge=1, description="tokens per lm_head chunk (bounds memory)"
+    )
+
+    @model_validator(mode="after")
+    def _final_needed(self) -> CaptureSection:
+        if self.target_distribution == "final_hidden" and not self.final_hidden_state:
+            raise ValueError("target_distribution=final_hidden needs final_hidden_state: true")
+        return self
+
+
+class CodecChoice(RecipeModel):
+    """Codec and compression of one feature."""
+
+    codec: Codec = "bf16"
+    compression: Compression = "none"
+    compression_level: int = Field(1, ge=0, le=22)
+
+
+class CodecsSection(RecipeModel):
+    """Per-feature codecs (DESIGN.md): bf16 is lossless w.r.t. a bf16 target."""
+
+    aux_hidden_states: CodecChoice = Field(default_factory=CodecChoice)
+    final_hidden_state: CodecChoice = Field(default_factory=CodecChoice)
+    topk_logits: CodecChoice = Field(default_factory=lambda: CodecChoice(codec="float32"))
+    chunk_bytes: int = Field(
+        4 << 20, ge=1024, description="inner Zarr chunk size (unit of reading)"
+    )
+
+    @field_validator("aux_hidden_states", "final_hidden_state", "topk_logits")
+    @classmethod
+    def _float_codec(cls, choice: CodecChoice) -> CodecChoice:
+        if choice.codec == "int32":
+            raise ValueError("int32 is for ids; use bf16, fp8_e4m3 or float32")
+        return choice
+
+
+class BatchingSection(RecipeModel):
+    """Sequence length policy and length-bucketed batches."""
+
+    max_length: int = Field(4096, ge=1, description="tokens per sample at most")
+    too_long: Literal["drop", "truncate"] = Field(
+        "drop", description="a longer sample is rejected (drop) or cut to max_length (truncate)"
+    )
+    token_budget: int = Field(
+        16384, ge=1, description="padded tokens per forward (batch x longest)"
+    )
+    max_batch_size: int | None = Field(None, ge=1, description="samples per forward at most")
+    pad_to_multiple_of: int = Field(
+        8, ge=1, description="round the padded length up (kernel-friendly)"
+    )
+    pass_attention_mask: bool = Field(
+        True,
+        description="give the model the padding mask; with right padding and causal attention the "
+        "valid tokens are identical without it, and some kernels are faster then",
+    )
+
+    @model_validator(mode="after")
+    def _budget_holds_a_sample(self) -> BatchingSection:
+        if self.token_budget < self.max_length:
+            raise ValueError(
+                f"token_budget ({self.token_budget}) must be >= max_length ({self.max_length}) so "
+                "that the longest sample fits in one forward"
+            )
+        return self
+
+
+class UnitsSection(RecipeModel):
+    """Work units: consecutive accepted samples, each written as one shard by one worker."""
+
+    max_tokens: int = Field(
+        1 << 18,
+        ge=1,
+        description="tokens per unit (= shard); a crash loses at most the units in flight",
+    )
+    max_samples: int = Field(4096, ge=1, description="samples per unit at most")
+
+
+class RaySection(RecipeModel):
+    """The Ray executor: one actor per GPU, or N CPU actors."""
+
+    address: str | None = Field(None, description="cluster address; null starts Ray locally")
+    num_workers: int | None = Field(
+        None, ge=1, description="actors; default: the cluster's GPUs, or 1 without GPUs"
+    )
+    num_cpus_per_worker: float = Field(1.0, ge=0)
+    num_gpus_per_worker: float | None = Field(
+        None, ge=0, description="default 1 when the cluster has GPUs, else 0"
+    )
+    units_in_flight_per_worker: int = Field(
+        2, ge=1, description="units queued per actor, so an actor never waits for the driver"
+    )
+    max_restarts: int = Field(3, ge=0, description="restarts of a dead actor")
+    max_task_retries: int = Field(3, ge=0, description="retries of a unit whose actor died")
+
+
+class ExtractRecipe(RecipeModel):
+    """``hsstore extract RECIPE``: run the target over ``data`` and fill ``store``."""
+
+    target: str = Field(description="local model directory or hub id (AutoModelForCausalLM)")
+    data: list[str] = Field(min_length=1, description="JSONL / Parquet files or fsspec URLs")
+    store: str = Field(description="store URL (path, file://, memory://, s3://...)")
+    limit: int | None = Field(None, ge=1, description="read at most this many records (smoke runs)")
+    executor: Literal["local", "ray"] = Field(
+        "ray", description="ray: actors (local Ray by default); local: same worker code in process"
+    )
+    model: ModelSection = Field(default_factory=ModelSection)
+    tokenizer: TokenizerSection = Field(default_factory=TokenizerSection)
+    capture: CaptureSection = Field(default_factory=CaptureSection)
+    codecs: CodecsSection = Field(default_factory=CodecsSection)
+    batching: BatchingSection = Field(default_factory=BatchingSection)
+    units: UnitsSection = Field(default_factory=UnitsSection)
+    ray: RaySection = Field(default_factory=RaySection)
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _one_path_is_a_list(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else value

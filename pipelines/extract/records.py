@@ -1,0 +1,287 @@
+"""Input records: read JSONL / Parquet (local paths or fsspec URLs), validate, reject with a reason.
+
+A record is either plain text, ``{"id"?, "text": str}``, or a chat, ``{"id"?, "messages": [...]}``
+with OpenAI ``{"role", "content"}`` turns or ShareGPT ``{"from", "value"}`` turns (ShareGPT's
+``conversations`` key is accepted for ``messages``). Anything else is a :class:`Rejection` with
+one of the :class:`RejectReason` values and a message that names the file, the line and the
+problem: a bad record is never dropped silently, it is counted and written to the rejects file.
+
+Other keys of a record are ignored (datasets carry metadata); only ``id`` is kept, as the
+sample's ``source_id`` (default ``<file name>:<line>``).
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import fsspec
+
+from pipelines.extract.errors import RecordSourceError
+
+
+class RejectReason(StrEnum):
+    """Why a record was not extracted; the rejects file and the summary count by these."""
+
+    NOT_JSON = "not_json"
+    INVALID_UTF8 = "invalid_utf8"
+    WRONG_TYPE = "wrong_type"
+    EMPTY = "empty"
+    UNKNOWN_ROLE = "unknown_role"
+    NO_ASSISTANT_TURN = "no_assistant_turn"
+    TEMPLATE_ERROR = "template_error"
+    TOO_LONG = "too_long"
+    NO_LOSS_TOKENS = "no_loss_tokens"
+    DUPLICATE = "duplicate"
+
+
+# ShareGPT speaker names mapped onto OpenAI roles; OpenAI roles map onto themselves.
+ROLE_ALIASES: dict[str, str] = {
+    "system": "system",
+    "developer": "developer",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+}
+
+_EXCERPT_CHARS = 200
+
+
+@dataclass(frozen=True)
+class Record:
+    """A validated input record: exactly one of ``text`` and ``messages`` is set."""
+
+    source_id: str
+    origin: str  # "<file>:<line>" (JSONL) or "<file>:row <n>" (Parquet), for messages
+    text: str | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+
+    @property
+    def kind(self) -> str:
+        return "text" if self.text is not None else "chat"
+
+    def content(self) -> dict[str, Any]:
+        """The record's content, normalised (roles mapped), for hashing into the sample id."""
+        if self.text is not None:
+            return {"text": self.text}
+        return {"messages": [dict(m) for m in self.messages or ()]}
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A record that was not extracted, and why (one line of the rejects file)."""
+
+    reason: RejectReason
+    message: str
+    origin: str
+    source_id: str | None = None
+    excerpt: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "reason": str(self.reason),
+            "message": self.message,
+            "origin": self.origin,
+            "source_id": self.source_id,
+            "excerpt": self.excerpt,
+        }
+
+
+def _excerpt(raw: Any) -> str:
+    text = raw if isinstance(raw, str) else json.dumps(raw, ensure_ascii=False, default=str)
+    return text[:_EXCERPT_CHARS]
+
+
+def _content_text(content: Any) -> str | None:
+    """A turn's text: a string, or OpenAI content parts that are all ``{"type": "text"}``."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    return None
+
+
+def parse_record(
+    obj: Any, origin: str, default_id: str, *, require_assistant: bool = True
+) -> Record | Rejection:
+    """Validate one decoded record; ``require_assistant`` rejects chats without an assistant turn."""
+
+    def reject(reason: RejectReason, problem: str, source_id: str | None = None) -> Rejection:
+        return Rejection(reason, f"{origin}: {problem}", origin, source_id, _excerpt(obj))
+
+    if not isinstance(obj, dict):
+        return reject(
+            RejectReason.WRONG_TYPE, f"expected a JSON object, found {type(obj).__name__}"
+        )
+    raw_id = obj.get("id")
+    if raw_id is None:
+        source_id = default_id
+    elif isinstance(raw_id, str | int) and not isinstance(raw_id, bool):
+        source_id = str(raw_id)
+    else:
+        return reject(
+            RejectReason.WRONG_TYPE,
+            f"'id' must be a string or integer, found {type(raw_id).__name__}",
+        )
+
+    messages_key = (
+        "messages" if "messages" in obj else "conversations" if "conversations" in obj else None
+    )
+    has_text = obj.get("text") is not None
+    if has_text and messages_key:
+        return reject(
+            RejectReason.WRONG_TYPE, f"has both 'text' and '{messages_key}'; keep one", source_id
+        )
+    if not has_text and messages_key is None:
+        return reject(RejectReason.WRONG_TYPE, "has neither 'text' nor 'messages'", source_id)
+
+    if has_text:
+        text = obj["text"]
+        if not isinstance(text, str):
+            return reject(
+                RejectReason.WRONG_TYPE,
+                f"'text' must be a string, found {type(text).__name__}",
+                source_id,
+            )
+        if not text.strip():
+            return reject(RejectReason.EMPTY, "'text' is empty", source_id)
+        return Record(source_id=source_id, origin=origin, text=text)
+
+    turns = obj[messages_key]
+    if not isinstance(turns, list):
+        return reject(
+            RejectReason.WRONG_TYPE,
+            f"'{messages_key}' must be a list, found {type(turns).__name__}",
+            source_id,
+        )
+    if not turns:
+        return reject(RejectReason.EMPTY, f"'{messages_key}' is an empty list", source_id)
+    messages: list[dict[str, str]] = []
+    for n, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            return reject(
+                RejectReason.WRONG_TYPE,
+                f"{messages_key}[{n}] must be an object, found {type(turn).__name__}",
+                source_id,
+            )
+        role_key, content_key = ("role", "content") if "role" in turn else ("from", "value")
+        role = turn.get(role_key)
+        if not isinstance(role, str):
+            return reject(
+                RejectReason.WRONG_TYPE,
+                f"{messages_key}[{n}] needs a string 'role' (or ShareGPT 'from')",
+                source_id,
+            )
+        mapped = ROLE_ALIASES.get(role.lower())
+        if mapped is None:
+            known = ", ".join(sorted(ROLE_ALIASES))
+            return reject(
+                RejectReason.UNKNOWN_ROLE,
+                f"{messages_key}[{n}] has unknown role {role!r} (known: {known})",
+                source_id,
+            )
+        text = _content_text(turn.get(content_key))
+        if text is None:
+            found = type(turn.get(content_key)).__name__
+            return reject(
+                RejectReason.WRONG_TYPE,
+                f"{messages_key}[{n}].{content_key} must be a string or text parts, found {found}",
+                source_id,
+            )
+        messages.append({"role": mapped, "content": text})
+    if not any(m["content"].strip() for m in messages):
+        return reject(RejectReason.EMPTY, f"every turn of '{messages_key}' is empty", source_id)
+    if require_assistant and not any(m["role"] == "assistant" for m in messages):
+        return reject(
+            RejectReason.NO_ASSISTANT_TURN,
+            "has no assistant turn, so no token would carry loss",
+            source_id,
+        )
+    return Record(source_id=source_id, origin=origin, messages=tuple(messages))
+
+
+def _iter_jsonl(url: str, require_assistant: bool) -> Iterator[Record | Rejection]:
+    name = posixpath.basename(url.rstrip("/"))
+    with fsspec.open(url, "rb", compression="infer") as handle:
+        for line_no, raw in enumerate(handle, start=1):
+            origin = f"{name}:{line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                excerpt = raw[:_EXCERPT_CHARS].decode("utf-8", errors="replace")
+                yield Rejection(
+                    RejectReason.INVALID_UTF8,
+                    f"{origin}: not valid UTF-8 ({err.reason} at byte {err.start})",
+                    origin,
+                    None,
+                    excerpt,
+                )
+                continue
+            if not line.strip():
+                continue  # blank lines separate nothing in JSONL; they are not records
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                yield Rejection(
+                    RejectReason.NOT_JSON,
+                    f"{origin}: not JSON ({err.msg} at column {err.colno})",
+                    origin,
+                    None,
+                    line[:_EXCERPT_CHARS],
+                )
+                continue
+            yield parse_record(obj, origin, origin, require_assistant=require_assistant)
+
+
+def _iter_parquet(url: str, require_assistant: bool) -> Iterator[Record | Rejection]:
+    import pyarrow.parquet as pq
+
+    name = posixpath.basename(url.rstrip("/"))
+    row = 0
+    with fsspec.open(url, "rb") as handle:
+        for batch in pq.ParquetFile(handle).iter_batches(batch_size=1024):
+            for obj in batch.to_pylist():
+                row += 1
+                origin = f"{name}:row {row}"
+                # Parquet has no "absent": a column missing from this record reads as null.
+                obj = {k: v for k, v in obj.items() if v is not None}
+                yield parse_record(obj, origin, origin, require_assistant=require_assistant)
+
+
+def iter_records(
+    urls: Iterable[str], *, require_assistant: bool = True
+) -> Iterator[Record | Rejection]:
+    """Every record of every file, in order: a :class:`Record` or a :class:`Rejection` each.
+
+    The format comes from the name: ``.parquet`` is Parquet, ``.jsonl``/``.json``/``.ndjson``
+    (optionally ``.gz``/``.zst``/``.bz2``/``.xz``) is JSON lines.
+    """
+    for url in urls:
+        lowered = url.lower()
+        for suffix in (".gz", ".zst", ".bz2", ".xz"):
+            lowered = lowered.removesuffix(suffix)
+        if lowered.endswith(".parquet"):
+            reader = _iter_parquet
+        elif lowered.endswith((".jsonl", ".json", ".ndjson")):
+            reader = _iter_jsonl
+        else:
+            raise RecordSourceError(
+                f"data file {url}: unknown format (expected .jsonl, .json, .ndjson or .parquet)"
+            )
+        try:
+            yield from reader(url, require_assistant)
+        except FileNotFoundError as err:
+            raise RecordSourceError(f"data file {url} does not exist") from err

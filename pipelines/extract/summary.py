@@ -1,0 +1,85 @@
+"""The end-of-run summary of an extraction: what went in, what was kept, what it cost."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class ExtractionSummary:
+    """Returned by ``run_extraction`` and printed by ``hsstore extract``.
+
+    Counts of samples and tokens cover the whole store (this run plus what earlier runs had
+    committed); ``*_written`` and the rates cover this run only.
+    """
+
+    store: str
+    rejects_path: str
+    num_records: int = 0
+    num_samples: int = 0
+    num_tokens: int = 0
+    num_loss_tokens: int = 0
+    num_samples_written: int = 0
+    num_tokens_written: int = 0
+    num_units: int = 0
+    num_units_skipped: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+    num_truncated: int = 0
+    num_padded_tokens: int = 0
+    store_bytes: int = 0
+    feature_bytes_per_token: int = 0
+    wall_seconds: float = 0.0
+    extract_seconds: float = 0.0
+
+    @property
+    def num_rejected(self) -> int:
+        return sum(self.rejected.values())
+
+    @property
+    def padding_waste(self) -> float:
+        """Fraction of the computed tokens (this run) that were padding."""
+        if not self.num_padded_tokens:
+            return 0.0
+        return 1.0 - self.num_tokens_written / self.num_padded_tokens
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Store bytes (features, sample table, metadata) per stored token."""
+        return self.store_bytes / self.num_tokens if self.num_tokens else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_tokens_written / self.extract_seconds if self.extract_seconds else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.update(
+            num_rejected=self.num_rejected,
+            padding_waste=self.padding_waste,
+            bytes_per_token=self.bytes_per_token,
+            tokens_per_second=self.tokens_per_second,
+        )
+        return data
+
+    def format(self) -> str:
+        """The human summary, one fact a line."""
+        rejected = (
+            ", ".join(f"{reason} {count}" for reason, count in self.rejected.items()) or "none"
+        )
+        lines = [
+            f"store            {self.store}",
+            f"records read     {self.num_records}",
+            f"samples          {self.num_samples} ({self.num_samples_written} written now, "
+            f"{self.num_samples - self.num_samples_written} already committed)",
+            f"tokens           {self.num_tokens} ({self.num_loss_tokens} with loss)",
+            f"units            {self.num_units} ({self.num_units_skipped} skipped: already committed)",
+            f"rejected         {self.num_rejected}: {rejected}",
+            f"rejects file     {self.rejects_path}",
+            f"truncated        {self.num_truncated}",
+            f"padding waste    {100 * self.padding_waste:.1f}% of computed tokens",
+            f"bytes per token  {self.bytes_per_token:,.0f} in the store "
+            f"({self.feature_bytes_per_token:,} of raw features)",
+            f"wall time        {self.wall_seconds:.1f} s ({self.tokens_per_second:,.0f} tokens/s extracting)",
+        ]
+        return "\n".join(lines)

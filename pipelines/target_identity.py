@@ -1,0 +1,188 @@
+"""What a target model *is*, as hashes: the identity that extraction records and training checks.
+
+The store's lineage pins the target so that a trainer can refuse a store extracted from another
+model (another revision, another config, another tokenizer or chat template): each of those
+shows up otherwise only as a lower acceptance length. Extraction calls these functions on the
+target directory and stores the result; the trainer calls the *same* functions on the directory
+it was given and compares field by field. Keep them pure: they read files, never load a model,
+never touch the network, and return plain JSON-able values.
+
+Conventions (also in docs/extraction.md):
+
+- ``config_sha256``: sha256 of config.json as canonical JSON (sorted keys, no whitespace), minus
+  keys that describe the software that wrote the file rather than the model
+  (``transformers_version``, ``_name_or_path``), so re-saving with another transformers version
+  keeps the identity.
+- ``weight_files``: ``{file name: sha256}`` of every ``*.safetensors`` file (``*.bin`` when there is
+  no safetensors). A Hugging Face cache blob's name *is* its sha256, so a file that is a symlink to
+  ``.../blobs/<64 hex>`` is not re-read (hashing 16 GB of Qwen3-8B takes ~40 s otherwise).
+- ``tokenizer_sha256``: the tokenizer files that exist (tokenizer.json, tokenizer_config.json minus
+  its ``chat_template`` key, special_tokens_map.json, tokenizer.model, vocab.json, merges.txt), each
+  hashed, then the (name, hash) list hashed. The chat template is left out on purpose so that the
+  two hashes answer separate questions.
+- ``chat_template_sha256``: sha256 of the template text the tokenizer would use
+  (chat_template.jinja, else tokenizer_config.json's ``chat_template``, else chat_template.json);
+  ``None`` when the target has none.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+# Keys of config.json that record the writing software, not the model.
+_CONFIG_KEYS_IGNORED = ("transformers_version", "_name_or_path", "_commit_hash")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
+_HASH_BLOCK_BYTES = 8 << 20
+
+
+def canonical_json(value: Any) -> bytes:
+    """The one JSON encoding used for hashing: sorted keys, no whitespace, UTF-8."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode(
+        "utf-8"
+    )
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | Path) -> str:
+    """sha256 of a file's bytes, reusing the Hugging Face cache's blob name when it is one."""
+    path = Path(path)
+    if path.is_symlink():
+        blob = Path(os.path.realpath(path))
+        if blob.parent.name == "blobs" and len(blob.name) == 64:
+            try:
+                int(blob.name, 16)
+                return blob.name
+            except ValueError:
+                pass
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(_HASH_BLOCK_BYTES):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_config(model_dir: str | Path) -> dict[str, Any]:
+    """config.json of a model directory, with an error naming the file."""
+    path = Path(model_dir) / "config.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as err:
+        raise FileNotFoundError(
+            f"{path} does not exist: the target must be a Hugging Face model directory"
+        ) from err
+
+
+def config_sha256(config: dict[str, Any]) -> str:
+    """Hash of a config dict as canonical JSON, ignoring the software-version keys."""
+    kept = {k: v for k, v in config.items() if k not in _CONFIG_KEYS_IGNORED}
+    return sha256_bytes(canonical_json(kept))
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language-model part of a config (multimodal configs nest it under ``text_config``)."""
+    nested = config.get("text_config")
+    return nested if isinstance(nested, dict) and "num_hidden_layers" in nested else config
+
+
+def weight_file_hashes(model_dir: str | Path) -> dict[str, str]:
+    """``{file name: sha256}`` of the weight files, safetensors preferred over pickled .bin."""
+    model_dir = Path(model_dir)
+    files = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir} holds no *.safetensors (or *.bin) weight files")
+    return {f.name: sha256_file(f) for f in files}
+
+
+def target_identity(model_dir: str | Path, *, hash_weights: bool = True) -> dict[str, Any]:
+    """The target's identity: architecture, shapes, config hash and per-weight-file hashes.
+
+    ``hash_weights=False`` skips the weight hashes (an empty dict), for quick checks of a config
+    only; extraction always hashes them.
+    """
+    config = read_config(model_dir)
+    lm_config = text_config(config)
+    architectures = config.get("architectures") or []
+    return {
+        "architecture": architectures[0] if architectures else None,
+        "model_type": config.get("model_type"),
+        "config_sha256": config_sha256(config),
+        "weight_files": weight_file_hashes(model_dir) if hash_weights else {},
+        "num_hidden_layers": int(lm_config["num_hidden_layers"]),
+        "hidden_size": int(lm_config["hidden_size"]),
+        "vocab_size": int(lm_config["vocab_size"]),
+    }
+
+
+def read_chat_template(model_dir: str | Path) -> str | None:
+    """The default chat template text in the order transformers looks for it, or None."""
+    model_dir = Path(model_dir)
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.exists():
+        return jinja.read_text(encoding="utf-8")
+    config_path = model_dir / "tokenizer_config.json"
+    if config_path.exists():
+        template = json.loads(config_path.read_text(encoding="utf-8")).get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        if isinstance(template, str):
+            return template
+    json_path = model_dir / "chat_template.json"
+    if json_path.exists():
+        template = json.loads(json_path.read_text(encoding="utf-8")).get("chat_template")
+        if isinstance(template, str):
+            return template
+    return None
+
+
+def chat_template_sha256(template: str | None) -> str | None:
+    """Hash of a chat template's text (pass ``tokenizer.chat_template`` or read_chat_template())."""
+    return None if template is None else sha256_bytes(template.encode("utf-8"))
+
+
+def tokenizer_sha256(tokenizer_dir: str | Path) -> str:
+    """Hash of the tokenizer files that exist in ``tokenizer_dir`` (chat template excluded)."""
+    tokenizer_dir = Path(tokenizer_dir)
+    parts: list[tuple[str, str]] = []
+    for name in _TOKENIZER_FILES:
+        path = tokenizer_dir / name
+        if not path.exists():
+            continue
+        if name == "tokenizer_config.json":
+            config = json.loads(path.read_text(encoding="utf-8"))
+            config.pop("chat_template", None)
+            parts.append((name, sha256_bytes(canonical_json(config))))
+        else:
+            parts.append((name, sha256_file(path)))
+    if not parts:
+        raise FileNotFoundError(
+            f"{tokenizer_dir} holds none of the tokenizer files {', '.join(_TOKENIZER_FILES)}"
+        )
+    return sha256_bytes(canonical_json(parts))
+
+
+def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
+    """EAGLE-3's default aux layers ``[2, L//2, L-3]`` (vLLM/SGLang), in the hidden_states[i] convention.
+
+    For very shallow models the three ids can coincide or fall outside ``[0, L]``; they are
+    clamped and de-duplicated so that tiny test models still get valid ids.
+    """
+    if num_hidden_layers < 1:
+        raise ValueError(f"num_hidden_layers must be >= 1, got {num_hidden_layers}")
+    ids = [2, num_hidden_layers // 2, num_hidden_layers - 3]
+    clamped = sorted({min(max(i, 0), num_hidden_layers) for i in ids})
+    return clamped
