@@ -17,7 +17,8 @@ from hsstore.errors import HsstoreError
 
 # Modules that contribute subcommands, in the order ``hsstore --help`` lists them.
 SUBCOMMAND_MODULES = (
-    "pipelines.store_commands",  # info, verify, inspect: the store's own verbs
+    "pipelines.store_commands",  # info, verify, gc: the store's own verbs
+    "pipelines.inspect_command",
     "pipelines.extract.cli",
     "pipelines.train.cli",
     "pipelines.export.cli",
