@@ -117,18 +117,21 @@ def load_state_into(
     )
     if missing:
         raise DraftCheckpointError(f"{source}: missing tensors {missing}")
-    loaded = []
+    names = sorted(k for k in renamed if not k.startswith(skip) and k in own)
+    wrong = [
+        f"{k} has shape {tuple(renamed[k].shape)}, the draft expects {tuple(own[k].shape)}"
+        for k in names
+        if tuple(renamed[k].shape) != tuple(own[k].shape)
+    ]
+    if wrong:
+        raise DraftCheckpointError(
+            f"{source}: tensor {'; '.join(wrong)} "
+            "(different target, vocabulary, width or aux layer count?)"
+        )
     with torch.no_grad():
-        for name, tensor in renamed.items():
-            if name.startswith(skip) or name not in own:
-                continue
-            if tuple(tensor.shape) != tuple(own[name].shape):
-                raise DraftCheckpointError(
-                    f"{source}: tensor {name} has shape {tuple(tensor.shape)}, the draft expects "
-                    f"{tuple(own[name].shape)} (different target, vocabulary, width or aux layer count?)"
-                )
-            own[name].copy_(tensor.to(own[name].dtype))
-            loaded.append(name)
+        for name in names:
+            own[name].copy_(renamed[name].to(own[name].dtype))
+    loaded = names
     return loaded
 
 
