@@ -8,6 +8,17 @@ Two kinds of backend behave differently for commits:
 
 Either way the manifest is the only commit point, so a crash leaves unreferenced files, never a
 half-visible shard.
+
+Concurrent committers need more than an atomic publish: a read-merge-write of the manifest must not
+lose another committer's shards. How each backend serialises that (``StoreLocation.commit_guard``):
+
+* ``local``: an advisory ``flock`` on ``manifest.lock`` (the kernel drops it when the holder dies);
+* ``conditional`` (S3 and S3-compatible stores through s3fs): the manifest PUT carries ``If-Match``
+  with the ETag that was read, or ``If-None-Match: *`` when creating, so a PUT based on a stale read
+  is refused by the server (HTTP 412) and the committer re-reads and merges again;
+* ``process`` (``memory://``): the filesystem lives in one process, so a lock in that process is exact;
+* ``unguarded`` (other object stores, e.g. gcs through gcsfs): no compare-and-swap is used; the
+  committer re-checks the generation just before its PUT, which narrows the race but cannot close it.
 """
 
 from __future__ import annotations
@@ -20,6 +31,8 @@ from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+
+from hsstore.errors import CommitConflictError
 
 HASH_BLOCK = 8 << 20
 
@@ -35,6 +48,15 @@ class StoreLocation:
         self.fs = fs
         self.root = root.rstrip("/") or "/"
         self.is_local = isinstance(fs, LocalFileSystem)
+        protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+        if self.is_local:
+            self.commit_guard = "local"
+        elif protocols & {"s3", "s3a"} and hasattr(fs, "call_s3"):
+            self.commit_guard = "conditional"
+        elif "memory" in protocols:
+            self.commit_guard = "process"
+        else:
+            self.commit_guard = "unguarded"
 
     def __repr__(self) -> str:
         return f"StoreLocation({self.url!r})"
@@ -76,6 +98,45 @@ class StoreLocation:
             _fsync_dir(directory)
         else:
             self.fs.pipe_file(target, data)
+
+    def read_bytes_versioned(self, relative: str) -> tuple[bytes, str | None]:
+        """The object's bytes and a version token for :meth:`write_bytes_if` (the S3 ETag).
+
+        The token is None where the backend offers no conditional write. On S3 the bytes are read
+        with ``If-Match`` on the ETag from the same HEAD, so bytes and token always agree (a change in
+        between fails the read, and the caller retries). Raises FileNotFoundError when absent."""
+        if self.commit_guard != "conditional":
+            return self.read_bytes(relative), None
+        path = self.path(relative)
+        self.fs.invalidate_cache(path)
+        with self.fs.open(path, "rb", cache_type="none") as handle:
+            etag = handle.details.get("ETag")
+            data = handle.read()
+        return bytes(data), etag
+
+    def write_bytes_if(self, relative: str, data: bytes, version: str | None) -> None:
+        """Publish ``data`` only if the object is still at ``version`` (None: only if it is absent).
+
+        On the ``conditional`` backend the check is the server's (``If-Match`` / ``If-None-Match: *``)
+        and a failed precondition raises :class:`CommitConflictError`; elsewhere this is
+        :meth:`write_bytes_atomic` and the caller serialises writers itself."""
+        if self.commit_guard != "conditional":
+            self.write_bytes_atomic(relative, data)
+            return
+        path = self.path(relative)
+        try:
+            if version is None:
+                self.fs.pipe_file(path, data, mode="create")
+            else:
+                self.fs.pipe_file(path, data, IfMatch=version)
+        except Exception as err:
+            if _precondition_failed(err):
+                raise CommitConflictError(
+                    f"{path}: changed since it was read (conditional PUT refused)"
+                ) from err
+            raise
+        finally:
+            self.fs.invalidate_cache(path)
 
     def rename_dir(self, source: str, target: str) -> None:
         """Local only: move a finished shard folder into place atomically."""
@@ -123,6 +184,24 @@ class StoreLocation:
         # zarr wraps synchronous filesystems (memory://) itself when given a URL.
         url = self.fs.unstrip_protocol(self.path(relative))
         return FsspecStore.from_url(url, storage_options=self.storage_options, read_only=read_only)
+
+
+def _precondition_failed(err: BaseException) -> bool:
+    """Whether an s3fs error is a refused precondition (412) or a concurrent conditional write (409).
+
+    s3fs translates the botocore error into OSError/FileExistsError and keeps it as ``__cause__``."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        response = getattr(current, "response", None)
+        if isinstance(response, dict):
+            code = str(response.get("Error", {}).get("Code", ""))
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
+                return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def _fsync_dir(directory: str) -> None:
