@@ -146,6 +146,7 @@ def load_draft(
     """Load a draft from a project checkpoint (``CHECKPOINT`` or ``CHECKPOINT/draft``) or an
     exported eagle3/eagle4 directory.
 
+    ``dtype`` None keeps the stored floating dtype (an exported bf16 draft computes in bf16).
     ``embed_tokens`` (the target's input embedding ``[V, H]``) is required for exported dirs,
     which omit it, and overrides the stored one otherwise. ``aux_layer_ids`` is only needed for
     third-party exports that do not record them.
@@ -176,7 +177,9 @@ def load_draft(
             )
         with torch.no_grad():
             draft.embed_tokens.weight.copy_(embed_tokens)
-    return draft.to(device=device, dtype=dtype) if dtype is not None else draft.to(device)
+    if dtype is None:
+        dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
+    return draft.to(device=device, dtype=dtype)
 
 
 def init_from_pretrained(draft: Eagle3Draft, path: str | os.PathLike[str]) -> list[str]:

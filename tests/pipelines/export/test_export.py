@@ -1,0 +1,183 @@
+"""Export: the serving layout's keys, shapes and dtypes, and the round trip to identical logits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+
+from pipelines.cli import main as hsstore_main
+from pipelines.export.serving import ExportError, export_draft
+from pipelines.models.checkpoint import DraftCheckpointError, load_draft, save_draft
+from pipelines.train.candidate import attach_candidate_head
+from tests.pipelines.models.helpers import random_inputs, tiny_draft
+
+H, V, V_DRAFT, HEADS, KV_HEADS, HEAD_DIM, MLP = 64, 256, 96, 4, 2, 16, 96
+
+# DESIGN.md's table: exported name -> (shape, dtype) for the tiny draft.
+EAGLE3_LAYOUT = {
+    "fc.weight": ((H, 3 * H), torch.bfloat16),
+    "midlayer.self_attn.q_proj.weight": ((HEADS * HEAD_DIM, 2 * H), torch.bfloat16),
+    "midlayer.self_attn.k_proj.weight": ((KV_HEADS * HEAD_DIM, 2 * H), torch.bfloat16),
+    "midlayer.self_attn.v_proj.weight": ((KV_HEADS * HEAD_DIM, 2 * H), torch.bfloat16),
+    "midlayer.self_attn.o_proj.weight": ((H, HEADS * HEAD_DIM), torch.bfloat16),
+    "midlayer.mlp.gate_proj.weight": ((MLP, H), torch.bfloat16),
+    "midlayer.mlp.up_proj.weight": ((MLP, H), torch.bfloat16),
+    "midlayer.mlp.down_proj.weight": ((H, MLP), torch.bfloat16),
+    "midlayer.input_layernorm.weight": ((H,), torch.bfloat16),
+    "midlayer.hidden_norm.weight": ((H,), torch.bfloat16),
+    "midlayer.post_attention_layernorm.weight": ((H,), torch.bfloat16),
+    "norm.weight": ((H,), torch.bfloat16),
+    "lm_head.weight": ((V_DRAFT, H), torch.bfloat16),
+    "d2t": ((V_DRAFT,), torch.int64),
+    "t2d": ((V,), torch.bool),
+}
+RANK = 8
+EAGLE4_LAYOUT = {
+    **EAGLE3_LAYOUT,
+    "efficient_lm_head.weight": ((V_DRAFT, RANK), torch.bfloat16),
+    "efficient_lm_head_down_proj.weight": ((RANK, H), torch.bfloat16),
+}
+
+
+def exported_tensors(out_dir):
+    with safe_open(str(out_dir / "model.safetensors"), framework="pt") as handle:
+        return {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+
+
+def logits(draft, candidate=False):
+    aux, ids, pos = random_inputs(draft)
+    with torch.no_grad():
+        hidden = draft(ids, draft.fuse_aux(aux), pos).hidden_BTD
+        return draft.compute_candidate_logits(hidden) if candidate else draft.compute_logits(hidden)
+
+
+def test_eagle3_layout_and_round_trip(tmp_path):
+    draft = tiny_draft()
+    save_draft(draft, tmp_path / "ckpt" / "draft")
+    out = export_draft(tmp_path / "ckpt", "eagle3", tmp_path / "out")
+
+    tensors = exported_tensors(out)
+    assert {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()} == EAGLE3_LAYOUT
+    assert torch.equal(tensors["d2t"], draft.d2t) and torch.equal(tensors["t2d"], draft.t2d)
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["model_type"] == "llama" and config["num_hidden_layers"] == 1
+    assert (
+        config["hidden_size"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+    ) == (H, HEADS, KV_HEADS)
+    assert (config["head_dim"], config["intermediate_size"]) == (HEAD_DIM, MLP)
+    assert (config["vocab_size"], config["draft_vocab_size"], config["target_hidden_size"]) == (
+        V,
+        V_DRAFT,
+        H,
+    )
+    assert config["tie_word_embeddings"] is False
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM: hidden_states[i]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # SGLang adds 1
+    assert "sliding_window" not in config and "efficient_lm_head_rank" not in config
+    # transformers (what both engines parse configs with) reads it as a one-layer Llama.
+    hf = AutoConfig.from_pretrained(out)
+    assert (hf.model_type, hf.num_hidden_layers, hf.hidden_size, hf.vocab_size) == (
+        "llama",
+        1,
+        H,
+        V,
+    )
+    assert hf.draft_vocab_size == V_DRAFT
+
+    # Exported weights omit embed_tokens: the target's are passed in, as the engines share them.
+    with pytest.raises(DraftCheckpointError, match="pass embed_tokens="):
+        load_draft(out)
+    reloaded = load_draft(out, embed_tokens=draft.embed_tokens.weight)
+    assert reloaded.config == draft.config
+    assert reloaded.fc.weight.dtype == torch.bfloat16  # loaded as stored
+    torch.testing.assert_close(logits(reloaded), logits(draft.to(torch.bfloat16)), rtol=0, atol=0)
+
+
+def test_float32_export_gives_identical_logits(tmp_path):
+    draft = tiny_draft(seed=3)
+    save_draft(draft, tmp_path / "draft")
+    out = export_draft(tmp_path / "draft", "eagle3", tmp_path / "out", dtype="float32")
+    reloaded = load_draft(out, embed_tokens=draft.embed_tokens.weight)
+    torch.testing.assert_close(logits(reloaded), logits(draft), rtol=0, atol=0)
+
+
+def test_eagle4_layout_and_round_trip(tmp_path):
+    draft = tiny_draft(sliding_window=8)
+    attach_candidate_head(draft, rank=RANK, num_candidates=12)
+    save_draft(draft, tmp_path / "ckpt" / "draft")
+    out = export_draft(tmp_path / "ckpt", "eagle4", tmp_path / "out")
+    tensors = exported_tensors(out)
+    assert {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()} == EAGLE4_LAYOUT
+    config = json.loads((out / "config.json").read_text())
+    assert (config["efficient_lm_head_rank"], config["num_candidates"]) == (RANK, 12)
+    assert config["sliding_window"] == 8 and config["layer_types"] == ["sliding_attention"]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    reloaded = load_draft(out, embed_tokens=draft.embed_tokens.weight)
+    assert reloaded.config.sliding_window == 8 and reloaded.config.num_candidates == 12
+    bf16 = draft.to(torch.bfloat16)
+    torch.testing.assert_close(logits(reloaded), logits(bf16), rtol=0, atol=0)
+    torch.testing.assert_close(
+        logits(reloaded, candidate=True), logits(bf16, candidate=True), rtol=0, atol=0
+    )
+    # The same checkpoint exported as eagle3 drops the candidate head.
+    assert "efficient_lm_head.weight" not in exported_tensors(
+        export_draft(tmp_path / "ckpt", "eagle3", tmp_path / "e3")
+    )
+
+
+def test_third_party_config_without_our_metadata_loads(tmp_path):
+    draft = tiny_draft()
+    save_draft(draft, tmp_path / "draft")
+    out = export_draft(tmp_path / "draft", "eagle3", tmp_path / "out", dtype="float32")
+    config = json.loads((out / "config.json").read_text())
+    del (
+        config["hsstore_draft_config"],
+        config["eagle_aux_hidden_state_layer_ids"],
+    )  # SGLang-only ids left
+    (out / "config.json").write_text(json.dumps(config))
+    reloaded = load_draft(out, embed_tokens=draft.embed_tokens.weight)
+    assert reloaded.config.aux_layer_ids == [2, 4, 5]
+    torch.testing.assert_close(logits(reloaded), logits(draft), rtol=0, atol=0)
+
+
+def test_export_refusals(tmp_path):
+    save_draft(tiny_draft(), tmp_path / "draft")
+    with pytest.raises(ExportError, match="format eagle4 needs a candidate head"):
+        export_draft(tmp_path / "draft", "eagle4", tmp_path / "out")
+    with pytest.raises(ExportError, match="unknown export format 'medusa'"):
+        export_draft(tmp_path / "draft", "medusa", tmp_path / "out")
+    save_draft(tiny_draft(aux_layer_ids=[1, 2]), tmp_path / "two_aux")
+    with pytest.raises(
+        ExportError, match=r"fuses exactly 3 aux layers, this draft uses 2 \(\[1, 2\]\)"
+    ):
+        export_draft(tmp_path / "two_aux", "eagle3", tmp_path / "out")
+    export_draft(tmp_path / "draft", "eagle3", tmp_path / "out")
+    with pytest.raises(ExportError, match="exists and is not empty"):
+        export_draft(tmp_path / "draft", "eagle3", tmp_path / "out")
+    assert export_draft(tmp_path / "draft", "eagle3", tmp_path / "out", overwrite=True).is_dir()
+    assert (
+        sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    )  # no staging left
+
+
+def test_cli_export(tmp_path, capsys):
+    save_draft(tiny_draft(), tmp_path / "ckpt" / "draft")
+    code = hsstore_main(
+        ["export", str(tmp_path / "ckpt"), "--format", "eagle3", "--out", str(tmp_path / "out")]
+    )
+    assert code == 0
+    assert f"exported eagle3 draft to {tmp_path / 'out'}" in capsys.readouterr().out
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    code = hsstore_main(
+        ["export", str(tmp_path / "missing"), "--format", "eagle3", "--out", str(tmp_path / "o2")]
+    )
+    assert code == 1
+    assert "no draft found" in capsys.readouterr().err

@@ -1,0 +1,105 @@
+"""The teacher distribution from each target-distribution feature, against the definition:
+the full softmax, restricted to the draft vocabulary, renormalised; valid iff the argmax is inside."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipelines.train.teacher import (
+    build_teacher,
+    teacher_from_draft_probs,
+    teacher_from_final_hidden,
+    teacher_from_topk,
+)
+from pipelines.train.vocab import DraftVocab
+
+V, H, V_DRAFT = 50, 16, 20
+
+
+@pytest.fixture()
+def setup():
+    gen = torch.Generator().manual_seed(0)
+    lm_head = torch.randn(V, H, generator=gen, dtype=torch.float64)
+    hidden = torch.randn(3, 7, H, generator=gen, dtype=torch.float64)
+    vocab = DraftVocab.from_target_ids(torch.randperm(V, generator=gen)[:V_DRAFT].tolist(), V)
+    # Force a few positions to have their argmax inside the draft vocabulary.
+    inside = vocab.target_ids[0]
+    hidden[0, :3] = 5 * lm_head[inside] / lm_head[inside].norm()
+    return lm_head, hidden, vocab
+
+
+def definition(full_logits, vocab):
+    probs = torch.softmax(full_logits, -1)[..., vocab.target_ids]
+    valid = vocab.t2d[full_logits.argmax(-1)]
+    return probs / probs.sum(-1, keepdim=True), valid
+
+
+def test_final_hidden_matches_the_definition_with_chunked_argmax(setup):
+    lm_head, hidden, vocab = setup
+    teacher = teacher_from_final_hidden(hidden, lm_head, vocab.d2t, vocab.t2d, vocab_chunk=7)
+    probs, valid = definition(hidden @ lm_head.T, vocab)
+    torch.testing.assert_close(teacher.probs_BTV.double(), probs, rtol=1e-6, atol=1e-7)
+    assert torch.equal(teacher.valid_BT, valid)
+    assert valid.any() and not valid.all(), "the case must have both valid and invalid positions"
+
+
+def test_final_hidden_full_vocabulary_is_all_valid(setup):
+    lm_head, hidden, _ = setup
+    full = DraftVocab.full(V)
+    teacher = teacher_from_final_hidden(hidden, lm_head, full.d2t, full.t2d)
+    torch.testing.assert_close(
+        teacher.probs_BTV.double(), torch.softmax(hidden @ lm_head.T, -1), rtol=1e-6, atol=1e-7
+    )
+    assert teacher.valid_BT.all()
+
+
+def test_topk_matches_the_definition_on_the_kept_logits(setup):
+    lm_head, hidden, vocab = setup
+    logits = hidden @ lm_head.T
+    k = 8
+    top = logits.topk(k, dim=-1)
+    order = torch.randperm(k)  # the teacher must not assume sorted top-k
+    teacher = teacher_from_topk(
+        top.values[..., order].float(), top.indices[..., order].int(), vocab.d2t, vocab.t2d
+    )
+    truncated = torch.full_like(logits, float("-inf")).scatter(-1, top.indices, top.values)
+    probs, valid = definition(truncated, vocab)
+    assert torch.equal(teacher.valid_BT, valid)
+    torch.testing.assert_close(
+        teacher.probs_BTV[valid].double(), probs[valid], rtol=1e-5, atol=1e-6
+    )
+    assert (teacher.probs_BTV[~valid] == 0).all()
+
+
+def test_draft_probs_unrenormalised_and_renormalised(setup):
+    lm_head, hidden, vocab = setup
+    logits = hidden @ lm_head.T
+    probs, valid = definition(logits, vocab)
+    restricted = torch.softmax(logits, -1)[..., vocab.target_ids]
+    teacher = teacher_from_draft_probs(restricted)
+    torch.testing.assert_close(teacher.probs_BTV.double(), probs, rtol=1e-6, atol=1e-7)
+    # Sound: a position marked valid certainly has its argmax inside the draft vocabulary.
+    assert not (teacher.valid_BT & ~valid).any()
+    assert teacher.valid_BT[:, :3].any()
+    assert teacher_from_draft_probs(probs).valid_BT.all()
+
+
+def test_build_teacher_dispatch_and_errors(setup):
+    lm_head, hidden, vocab = setup
+    teacher = build_teacher(
+        "final_hidden",
+        {"final_hidden_state": hidden},
+        d2t=vocab.d2t,
+        t2d=vocab.t2d,
+        lm_head_VH=lm_head,
+    )
+    assert teacher.probs_BTV.shape == (3, 7, V_DRAFT)
+    with pytest.raises(ValueError, match="needs the target's lm_head weight"):
+        build_teacher("final_hidden", {"final_hidden_state": hidden}, d2t=vocab.d2t, t2d=vocab.t2d)
+    with pytest.raises(ValueError, match="draft_probs cover 5 ids but the draft vocabulary has 20"):
+        build_teacher(
+            "draft_probs", {"draft_probs": torch.rand(1, 2, 5)}, d2t=vocab.d2t, t2d=vocab.t2d
+        )
+    with pytest.raises(ValueError, match="unknown teacher mode 'logits'"):
+        build_teacher("logits", {}, d2t=vocab.d2t, t2d=vocab.t2d)
