@@ -63,6 +63,8 @@ def serving_config(config: Eagle3Config, *, fmt: str, torch_dtype: str) -> dict[
         "draft_vocab_size": config.draft_vocab_size,
         "target_hidden_size": config.target_hidden_size,
         "tie_word_embeddings": False,
+        # The residual is the incoming h itself (vLLM's default; its speculators format says True).
+        "norm_before_residual": False,
         "torch_dtype": torch_dtype,
         # vLLM: hidden_states[i] convention (state entering layer i).
         "eagle_aux_hidden_state_layer_ids": aux_ids,

@@ -78,7 +78,7 @@ def test_eagle3_layout_and_round_trip(tmp_path):
         V_DRAFT,
         H,
     )
-    assert config["tie_word_embeddings"] is False
+    assert config["tie_word_embeddings"] is False and config["norm_before_residual"] is False
     assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM: hidden_states[i]
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # SGLang adds 1
     assert "sliding_window" not in config and "efficient_lm_head_rank" not in config
