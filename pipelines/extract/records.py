@@ -219,7 +219,7 @@ def _iter_jsonl(url: str, require_assistant: bool) -> Iterator[Record | Rejectio
         for line_no, raw in enumerate(handle, start=1):
             origin = f"{name}:{line_no}"
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8").rstrip("\r\n")
             except UnicodeDecodeError as err:
                 excerpt = raw[:_EXCERPT_CHARS].decode("utf-8", errors="replace")
                 yield Rejection(

@@ -187,28 +187,29 @@ class SampleTokenizer:
                 continue
             prompt = self._render_prompt(messages[:k])
             full = self.render(messages[: k + 1])
-            if not full.startswith(prompt):
-                raise TemplateSpanError(
-                    f"turn {k}: the chat template does not render the prompt of this turn as a "
-                    "prefix of the turn; cannot locate the assistant text (use a template with "
-                    "{% generation %} markers)"
-                )
-            turn_text = full[len(prompt) :].rstrip()
-            if rendered.startswith(turn_text, len(prompt)) and len(prompt) >= cursor:
+            # The turn as the template renders it when it is the last message.
+            turn_text = full[len(prompt) :].rstrip() if full.startswith(prompt) else ""
+            if turn_text and len(prompt) >= cursor and rendered.startswith(turn_text, len(prompt)):
                 start = len(prompt)
                 end = start + len(turn_text)
             else:
-                # Not prefix-consistent (e.g. Qwen3 renders earlier turns without <think>):
-                # find the content itself, then the end-of-turn text that follows it.
+                # Not prefix-consistent (Qwen3 renders earlier turns without <think>; some
+                # templates inject a default system prompt): find the content itself, searching
+                # forward from the previous turn, then the end-of-turn text that follows it.
                 content = message["content"].strip()
-                where = turn_text.rfind(content) if content else -1
-                start = rendered.find(content, cursor) if content else -1
-                if where < 0 or start < 0:
+                if not content:
+                    continue  # an empty turn: nothing to find and nothing to learn
+                start = rendered.find(content, cursor)
+                if start < 0:
                     raise TemplateSpanError(
-                        f"turn {k}: assistant content not found in the rendered conversation"
+                        f"turn {k}: the assistant's content is not in the rendered conversation "
+                        "(the template rewrites it); use a template with {% generation %} markers"
                     )
                 end = start + len(content)
-                tail = turn_text[where + len(content) :]
+                # The end-of-turn text: what follows the content when this turn renders last.
+                alone = turn_text or full
+                where = alone.rfind(content)
+                tail = alone[where + len(content) :].rstrip() if where >= 0 else ""
                 if tail and rendered.startswith(tail, end):
                     end += len(tail)
             spans.append((start, end))
@@ -216,13 +217,21 @@ class SampleTokenizer:
         return spans
 
     def _render_prompt(self, messages: list[dict[str, str]]) -> str:
-        """The conversation so far plus the assistant header; "" where a template refuses []."""
-        try:
+        """The conversation so far plus the assistant header.
+
+        For a conversation that opens with the assistant there is no "so far": transformers
+        refuses to render ``[]``, so the header is learned from a probe instead, as the text that
+        ``add_generation_prompt`` appends to a one-turn conversation.
+        """
+        if messages:
             return self.render(messages, add_generation_prompt=True)
-        except Exception:  # noqa: BLE001 - some templates raise on an empty conversation
-            if messages:
-                raise
+        probe = [{"role": "user", "content": "probe"}]
+        try:
+            with_header = self.render(probe, add_generation_prompt=True)
+            without = self.render(probe)
+        except Exception:  # noqa: BLE001 - a template may refuse the probe; then no header is known
             return ""
+        return with_header[len(without) :] if with_header.startswith(without) else ""
 
     def _tokenize_chat_prefix_diff(
         self, messages: list[dict[str, str]]
