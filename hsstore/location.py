@@ -107,12 +107,19 @@ class StoreLocation:
         between fails the read, and the caller retries). Raises FileNotFoundError when absent."""
         if self.commit_guard != "conditional":
             return self.read_bytes(relative), None
+        from s3fs.utils import FileExpired
+
         path = self.path(relative)
-        self.fs.invalidate_cache(path)
-        with self.fs.open(path, "rb", cache_type="none") as handle:
-            etag = handle.details.get("ETag")
-            data = handle.read()
-        return bytes(data), etag
+        for _ in range(100):
+            self.fs.invalidate_cache(path)
+            try:
+                with self.fs.open(path, "rb", cache_type="none") as handle:
+                    etag = handle.details.get("ETag")
+                    data = handle.read()
+                return bytes(data), etag
+            except FileExpired:
+                continue  # replaced between the HEAD and the GET: read the newer one
+        raise CommitConflictError(f"{path}: kept changing while being read (100 tries)")
 
     def write_bytes_if(self, relative: str, data: bytes, version: str | None) -> None:
         """Publish ``data`` only if the object is still at ``version`` (None: only if it is absent).
@@ -179,9 +186,10 @@ class StoreLocation:
 
         if self.is_local:
             return LocalStore(self.path(relative), read_only=read_only)
-        if getattr(self.fs, "async_impl", False):
-            return FsspecStore(self.fs, path=self.path(relative), read_only=read_only)
-        # zarr wraps synchronous filesystems (memory://) itself when given a URL.
+        # Always from the URL: zarr then builds its own instance, with ``asynchronous=True`` for
+        # async filesystems (s3fs, gcsfs) on zarr's event loop, and wraps synchronous ones
+        # (memory://). Handing it ``self.fs`` (a synchronous s3fs bound to fsspec's loop) fails with
+        # "Future attached to a different loop" as soon as two threads write.
         url = self.fs.unstrip_protocol(self.path(relative))
         return FsspecStore.from_url(url, storage_options=self.storage_options, read_only=read_only)
 
