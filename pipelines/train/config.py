@@ -149,6 +149,10 @@ class TrainRecipe(RecipeModel):
     )
     device: str = Field(default="auto", description="auto (cuda if present), cpu, cuda, cuda:N")
     resume: bool = Field(default=True, description="continue from the newest checkpoint in output_dir")
+    verify_weights: bool = Field(
+        default=True,
+        description="hash the target's weight files for the lineage check (~40 s for 16 GB unless HF-cached)",
+    )
     expect_aux_layer_ids: list[int] | None = Field(
         default=None, description="refuse a store whose aux layers differ (lineage check)"
     )
