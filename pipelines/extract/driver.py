@@ -148,8 +148,15 @@ def run_extraction(
         )
         _run_units(recipe, spec, todo, features, lineage, location, summary, progress, on_commit)
 
+    from hsstore.gc import collect_garbage
     from hsstore.writer import read_manifest
 
+    # Every unit is committed now, so any other shard folder is a dead attempt (a killed worker
+    # or driver, a retried unit): remove it, so that a finished run leaves a store that verifies
+    # without findings.
+    removed = collect_garbage(location, min_age_s=0.0)
+    if removed:
+        logger.info("removed %d dead shard attempt(s) left by earlier crashes or retries", len(removed))
     manifest = read_manifest(location)
     summary.store_bytes = manifest.num_bytes if manifest else 0
     summary.wall_seconds = time.perf_counter() - wall_start

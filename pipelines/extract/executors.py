@@ -90,13 +90,10 @@ class RayExecutor:
             max_task_retries=settings.max_task_retries,
         )
         self.actors = [actor_class.remote(spec) for _ in range(num_workers)]
+        # Waits for the actors to start (model loaded); the pids name the processes in logs
+        # (and the tests SIGKILL one to check that its units are retried).
+        self.pids: list[int] = ray.get([actor.pid.remote() for actor in self.actors])
         logger.info("started %d extraction actors (%s GPU each)", num_workers, num_gpus)
-
-    def actor_pids(self) -> list[int]:
-        """Process ids of the actors (the tests SIGKILL one to check that its unit is retried)."""
-        import ray
-
-        return ray.get([actor.pid.remote() for actor in self.actors])
 
     def run(self, units: Sequence[WorkUnit], on_result: ResultCallback) -> None:
         import ray
