@@ -23,6 +23,7 @@ lose another committer's shards. How each backend serialises that (``StoreLocati
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import posixpath
@@ -32,7 +33,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from hsstore.errors import CommitConflictError
+from hsstore.errors import CommitConflictError, StoreWriteError
 
 HASH_BLOCK = 8 << 20
 
@@ -90,11 +91,21 @@ class StoreLocation:
             directory = os.path.dirname(target)
             os.makedirs(directory, exist_ok=True)
             temp = os.path.join(directory, f".{os.path.basename(target)}.{uuid.uuid4().hex}.tmp")
-            with open(temp, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temp, target)
+            try:
+                with open(temp, "wb") as handle:
+                    handle.write(data)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                os.replace(temp, target)
+            except OSError as err:
+                # A full disk or a quota fails the temp file: remove it, leave the target as it was.
+                with contextlib.suppress(OSError):
+                    os.unlink(temp)
+                raise StoreWriteError(
+                    err.errno,
+                    f"{target}: could not write {len(data):,} bytes ({err.strerror or err}); "
+                    "the previous version is untouched",
+                ) from err
             _fsync_dir(directory)
         else:
             self.fs.pipe_file(target, data)

@@ -97,6 +97,7 @@ def extract_overrides(store: str, data: Path, **extra: Any) -> list[str]:
         "batching.max_length": 64,
         "batching.token_budget": 256,
         "units.max_tokens": 160,
+        "codecs.chunk_bytes": 65536,
         "ray.num_workers": 2,
         "ray.num_cpus_per_worker": 1,
     }
