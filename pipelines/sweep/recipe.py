@@ -69,6 +69,11 @@ class SweepRecipe(RecipeModel):
         description="the training recipe every point starts from: a file (relative to the working "
         "directory, else to this recipe's directory) or an inline mapping"
     )
+    head_base: str | dict[str, Any] | None = Field(
+        default=None,
+        description="the stage-2 (candidate head) recipe, e.g. with its own optimizer and schedule; "
+        "default: base. The sweep sets its stage, output_dir and draft_checkpoint",
+    )
     overrides: dict[str, Any] = Field(default_factory=dict, description="applied to every point first")
     grid: dict[str, list[Any]] = Field(
         default_factory=dict, description="dotted TrainRecipe key -> values; the sweep is their product"
@@ -157,6 +162,8 @@ def load_sweep_recipe(path: str | Path, overrides: list[str] | None = None, grid
     recipe = build_recipe(SweepRecipe, data, source=str(path))
     if isinstance(recipe.base, str):
         recipe.base = str(resolve_base_path(recipe.base, Path(path).parent))
+    if isinstance(recipe.head_base, str):
+        recipe.head_base = str(resolve_base_path(recipe.head_base, Path(path).parent))
     return recipe
 
 
@@ -164,7 +171,7 @@ def resolve_base_path(base: str, recipe_dir: Path) -> Path:
     for candidate in (Path(base), recipe_dir / base):
         if candidate.is_file():
             return candidate
-    raise RecipeError(f"base: training recipe {base!r} not found (looked in the working directory and {recipe_dir})")
+    raise RecipeError(f"training recipe {base!r} not found (looked in the working directory and {recipe_dir})")
 
 
 def point_name(overrides: dict[str, Any]) -> str:
@@ -197,8 +204,8 @@ class SweepPoint:
 def expand(recipe: SweepRecipe) -> list[SweepPoint]:
     """Every point of the grid, with its recipes built and validated."""
     out = Path(recipe.output_dir)
-    base = read_yaml(recipe.base) if isinstance(recipe.base, str) else dict(recipe.base)
-    source = recipe.base if isinstance(recipe.base, str) else "<inline base>"
+    base, source = _base(recipe.base, "base")
+    head_base, head_source = _base(recipe.head_base, "head_base") if recipe.head_base is not None else (base, source)
     keys = list(recipe.grid)
     points = []
     for values in itertools.product(*(recipe.grid[k] for k in keys)):
@@ -210,10 +217,10 @@ def expand(recipe: SweepRecipe) -> list[SweepPoint]:
                                             "output_dir": str(out / "drafts" / draft_name)}, source, name)
         head_recipe = None
         if "candidate_head" in recipe.stages:
-            head_recipe = _train_recipe(base, {**recipe.overrides, **grid_values, "stage": "candidate_head",
+            head_recipe = _train_recipe(head_base, {**recipe.overrides, **grid_values, "stage": "candidate_head",
                                                "output_dir": str(out / "points" / name / "head"),
                                                "candidate_head.draft_checkpoint": str(out / "drafts" / draft_name / "checkpoints" / "final")},
-                                        source, name)
+                                        head_source, name)
         evaluate = None
         if recipe.evaluate is not None:
             final = Path((head_recipe or draft_recipe).output_dir) / "checkpoints" / "final"
@@ -228,12 +235,13 @@ def expand(recipe: SweepRecipe) -> list[SweepPoint]:
     return points
 
 
+def _base(base: str | dict[str, Any], key: str) -> tuple[dict[str, Any], str]:
+    return (read_yaml(base), base) if isinstance(base, str) else (base, f"<inline {key}>")
+
+
 def _train_recipe(base: dict[str, Any], overrides: dict[str, Any], source: str, point: str) -> TrainRecipe:
     sets = [f"{key}={json.dumps(value)}" for key, value in overrides.items()]
-    try:
-        return build_recipe(TrainRecipe, copy.deepcopy(base), sets, source=f"{source} (sweep point {point})")
-    except RecipeError as err:
-        raise RecipeError(f"sweep point {point}: {err}") from err
+    return build_recipe(TrainRecipe, copy.deepcopy(base), sets, source=f"{source} for sweep point {point}")
 
 
 def _evaluate_mapping(settings: EvaluateSettings, draft: Path, output_dir: Path) -> dict[str, Any]:
