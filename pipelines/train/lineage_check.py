@@ -40,7 +40,7 @@ def _short(value: Any) -> str:
 
 def _mismatch(store: Store, field: str, stored: Any, found: Any, where: str, hint: str = "") -> LineageMismatchError:
     return LineageMismatchError(
-        f"{store.url}: lineage field {field!r} is {_short(stored)} in the store but {_short(found)} "
+        f"{store.url}: lineage field '{field}' is {_short(stored)} in the store but {_short(found)} "
         f"for {where}{'; ' + hint if hint else ''}"
     )
 
@@ -102,7 +102,7 @@ def check_lineage(
         differing = [n for n in names if stored_target.weights_sha256.get(n) != found["weight_files"].get(n)]
         raise _mismatch(
             store,
-            f"target.weights_sha256[{differing[0]!r}]",
+            f"target.weights_sha256[{differing[0]}]",
             stored_target.weights_sha256.get(differing[0]),
             found["weight_files"].get(differing[0]),
             where,
