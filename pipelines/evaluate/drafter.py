@@ -165,13 +165,16 @@ class TreeDrafter:
         kv = self.cache
         num_prefix = self.num_positions
         window = self.draft.config.sliding_window
-        visible_from = 0 if window is None else max(0, num_prefix - window)
 
         def expand(
             frontier: list[int], pool: DraftTree
         ) -> tuple[list[list[int]], list[list[float]]]:
             nonlocal kv
             num_cached, num_front = kv[0].shape[2], len(frontier)
+            position = num_prefix - 1 + pool.depths[frontier[0]]  # the frontier shares a depth
+            # As in TTT: a step-0 key at position p is visible iff position - p < window; the
+            # node's own drafted ancestors always are.
+            visible_from = 0 if window is None else max(0, position - window + 1)
             mask_FS = torch.zeros(num_front, num_cached + num_front, dtype=torch.bool)
             mask_FS[:, visible_from:num_prefix] = True
             for row, node in enumerate(frontier):
@@ -183,11 +186,10 @@ class TreeDrafter:
             hidden_FD = torch.stack(
                 [output_hidden.get(pool.parents[n], self.last_hidden_D) for n in frontier]
             )
-            depth_of_frontier = pool.depths[frontier[0]]
             out = self.draft(
                 torch.tensor([pool.tokens[n] for n in frontier], device=self.device)[None],
                 hidden_FD[None],
-                torch.full((1, num_front), num_prefix - 1 + depth_of_frontier, device=self.device),
+                torch.full((1, num_front), position, device=self.device),
                 attention_mask=mask_FS.to(self.device)[None],
                 past_key_values=kv,
                 use_cache=True,

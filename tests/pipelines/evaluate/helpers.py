@@ -8,10 +8,37 @@ random draft is (correctly) almost never accepted, which would leave the accepte
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
+from pipelines.evaluate.target import TargetModel
 from pipelines.evaluate.tree import DraftTree
+from pipelines.models.eagle3 import Eagle3Config, Eagle3Draft
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Run torch on one intra-op thread, restoring the previous count afterwards."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def random_draft(target: TargetModel, seed: int = 0, **overrides: object) -> Eagle3Draft:
+    """An untrained draft shaped for ``target``, sharing its embeddings (as training does)."""
+    torch.manual_seed(seed)
+    config = Eagle3Config.from_target_config(
+        target.model.config, aux_layer_ids=target.aux_layer_ids, **overrides
+    )
+    draft = Eagle3Draft(config)
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(target.input_embeddings())
+    return draft.to(target.dtype)
 
 
 class RandomTreeProposer:
