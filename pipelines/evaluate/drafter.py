@@ -32,39 +32,47 @@ class DraftMismatchError(LineageMismatchError):
     """The draft was built for another target (vocabulary, width or aux layers do not fit)."""
 
 
-def check_draft_fits(draft: Eagle3Draft, target: TargetModel, source: str = "the draft") -> None:
-    """Refuse up front a draft that cannot run against ``target``; the message names each misfit."""
+def check_draft_fits(
+    draft: Eagle3Draft,
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    num_layers: int,
+    source: str = "the draft",
+) -> None:
+    """Refuse up front a draft that cannot run against a target of this shape; the message
+    names each misfit (vocabulary, widths, aux layers, vocabulary mapping)."""
     cfg = draft.config
     problems = []
-    if cfg.vocab_size != target.vocab_size:
+    if cfg.vocab_size != vocab_size:
         problems.append(
-            f"vocab_size {cfg.vocab_size} != the target's vocabulary of {target.vocab_size} tokens"
+            f"vocab_size {cfg.vocab_size} != the target's vocabulary of {vocab_size} tokens"
         )
-    if cfg.target_hidden_size != target.hidden_size:
+    if cfg.target_hidden_size != hidden_size:
         problems.append(
-            f"target_hidden_size {cfg.target_hidden_size} != the target's hidden size {target.hidden_size}"
+            f"target_hidden_size {cfg.target_hidden_size} != the target's hidden size {hidden_size}"
         )
-    if cfg.hidden_size != target.hidden_size:
+    if cfg.hidden_size != hidden_size:
         problems.append(
-            f"hidden_size {cfg.hidden_size} != the target's {target.hidden_size} "
+            f"hidden_size {cfg.hidden_size} != the target's {hidden_size} "
             "(the draft embeds tokens with the target's embedding matrix)"
         )
-    bad_layers = [i for i in cfg.aux_layer_ids if not 0 <= i < target.num_layers]
+    bad_layers = [i for i in cfg.aux_layer_ids if not 0 <= i < num_layers]
     if bad_layers:
         problems.append(
             f"aux_layer_ids {cfg.aux_layer_ids} name layers {bad_layers} outside the target's "
-            f"0..{target.num_layers - 1} (id i = the state entering decoder layer i)"
+            f"0..{num_layers - 1} (id i = the state entering decoder layer i)"
         )
     if not problems:
         max_target_id = int((torch.arange(cfg.draft_vocab_size) + draft.d2t.cpu()).max())
-        if max_target_id >= target.vocab_size:
+        if max_target_id >= vocab_size:
             problems.append(
                 f"d2t maps draft ids onto target id {max_target_id}, outside the target vocabulary"
             )
     if problems:
         raise DraftMismatchError(
-            f"{source} does not fit the target {target.config.__class__.__name__} "
-            f"({target.num_layers} layers): " + "; ".join(problems)
+            f"{source} does not fit the target ({num_layers} layers, hidden {hidden_size}, "
+            f"vocabulary {vocab_size}): " + "; ".join(problems)
         )
 
 
@@ -72,7 +80,12 @@ class TreeDrafter:
     """Keeps the draft's step-0 KV cache in step with the target and drafts trees from it."""
 
     def __init__(self, draft: Eagle3Draft, target: TargetModel) -> None:
-        check_draft_fits(draft, target)
+        check_draft_fits(
+            draft,
+            vocab_size=target.vocab_size,
+            hidden_size=target.hidden_size,
+            num_layers=target.num_layers,
+        )
         self.draft = draft.eval()
         self.device = target.device
         self.dtype = next(draft.parameters()).dtype

@@ -64,6 +64,31 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def vocab_size_of(model: torch.nn.Module) -> int:
+    """Rows of the output projection (what the draft's vocabulary must match)."""
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+def load_causal_lm(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    attn_implementation: str = "sdpa",
+) -> torch.nn.Module:
+    """``AutoModelForCausalLM`` from a local directory, with an attention kernel that takes masks."""
+    from transformers import AutoModelForCausalLM
+
+    if attn_implementation not in MASKABLE_ATTENTION:
+        raise TargetModelError(
+            f"attn_implementation {attn_implementation!r} cannot take a custom tree mask; "
+            f"use one of {MASKABLE_ATTENTION}"
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=dtype, attn_implementation=attn_implementation
+    )
+    return model.to(device).eval()
+
+
 class TargetModel:
     """A causal LM run with its own DynamicCache, capturing aux hidden states on every call."""
 
@@ -105,21 +130,11 @@ class TargetModel:
         attn_implementation: str = "sdpa",
     ) -> TargetModel:
         """Load any ``AutoModelForCausalLM`` directory for verification."""
-        from transformers import AutoModelForCausalLM
-
-        if attn_implementation not in MASKABLE_ATTENTION:
-            raise TargetModelError(
-                f"attn_implementation {attn_implementation!r} cannot take a custom tree mask; "
-                f"use one of {MASKABLE_ATTENTION}"
-            )
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=dtype, attn_implementation=attn_implementation
-        )
-        return cls(model.to(device), aux_layer_ids)
+        return cls(load_causal_lm(path, dtype, device, attn_implementation), aux_layer_ids)
 
     @property
     def vocab_size(self) -> int:
-        return int(self.model.get_output_embeddings().weight.shape[0])
+        return vocab_size_of(self.model)
 
     @property
     def hidden_size(self) -> int:
