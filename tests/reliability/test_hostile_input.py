@@ -9,6 +9,7 @@ not: input that crashes rather than rejects, recipes of every job, manifests rea
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -390,9 +391,8 @@ def test_a_pickled_arrow_extension_type_is_never_unpickled(store_dir, tmp_path):
         writer.write_table(table.cast(schema))
     hostile.replace(table_path)
     fresh = hsstore.open_store(str(store_dir))
-    try:
+    # Refusing the table is as good as ignoring the payload; running it is the failure.
+    with contextlib.suppress(Exception):
         fresh.samples.to_pandas()
-    except Exception:  # noqa: BLE001 - refusing the table is as good as ignoring the payload
-        pass
     hsstore.verify_store(StoreLocation(str(store_dir)))
     assert not marker.exists()
