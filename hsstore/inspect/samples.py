@@ -74,13 +74,14 @@ def loss_mask_coverage(store: Store, *, skip_shards: StoreHealth | set[str] | No
     loss = column_values(store, "num_loss_tokens", skip)
     total, masked = int(lengths.sum()), int(loss.sum())
     fractions = loss[lengths > 0] / lengths[lengths > 0]
+    names = ("min", "p25", "p50", "p75", "max")
     quantiles = np.quantile(fractions, [0.0, 0.25, 0.5, 0.75, 1.0]).round(4).tolist() if len(fractions) else []
     return {
         "num_tokens": total,
         "num_loss_tokens": masked,
         "loss_token_fraction": round(masked / total, 4) if total else 0.0,
         "samples_without_loss_tokens": int((loss == 0).sum()),
-        "per_sample_fraction_quantiles": dict(zip(("min", "p25", "p50", "p75", "max"), quantiles, strict=True)),
+        "per_sample_fraction_quantiles": dict(zip(names, quantiles, strict=False)),  # empty for an empty store
     }
 
 

@@ -232,3 +232,14 @@ def test_cli_json_plots_and_a_damaged_store(tmp_path, capsys):
     assert f"shard {bad}:" in captured.out and "hidden states per layer" in captured.out
     assert f"damaged shard(s) left out of the summary: {bad}" in captured.err
     assert (tmp_path / "plots2" / "layer_stats.png").exists()
+
+
+def test_an_empty_store_is_summarised(tmp_path):
+    hsstore.ensure_store(str(tmp_path / "empty"), features=make_specs(), lineage=make_lineage())
+    store = hsstore.open_store(tmp_path / "empty")
+    report = hi.summary(store)
+    assert report["samples"]["inspected_samples"] == 0 and report["loss_mask"]["per_sample_fraction_quantiles"] == {}
+    assert [row["num_tokens"] for row in report["layer_stats"]] == [0, 0, 0, 0]
+    json.dumps(report)
+    assert "inspected  0 samples, 0 tokens" in hi.format_summary(report)
+    assert len(hi.samples_frame(store)) == 0 and len(hi.token_frequency(store)) == 0
