@@ -160,7 +160,8 @@ SWEEP_CELLS = [
         "    print(\"no SWEEP_DIR: running a tiny sweep\")"
     ),
     new_code_cell(
-        "if SWEEP_DIR is None:\n" + "\n".join("    " + line if line else "" for line in MAKE_STORE.splitlines())
+        # The store is only needed to run a sweep (the trailing display of `store` is dropped).
+        "if SWEEP_DIR is None:\n" + "\n".join("    " + line if line else "" for line in MAKE_STORE.splitlines()[:-1])
     ),
     new_code_cell(
         "if SWEEP_DIR is None:\n"
@@ -213,7 +214,7 @@ SWEEP_CELLS = [
         "from matplotlib.figure import Figure\n\n"
         "fig = Figure(figsize=(9, 3.6), layout=\"constrained\")\n"
         "axes = fig.subplots(1, 2)\n"
-        "for ax, family in zip(axes, (\"acc\", \"recall\")):\n"
+        "for ax, family in zip(axes, (\"acc\", \"recall\"), strict=True):\n"
         "    columns = sorted((c for c in done if c.startswith(family + \"_\") and c.split(\"_\")[-1].isdigit()), key=lambda c: int(c.split(\"_\")[-1]))\n"
         "    for _, row in done.iterrows():\n"
         "        values = row[columns].dropna().astype(float)\n"

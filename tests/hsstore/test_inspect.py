@@ -13,7 +13,14 @@ from hsstore import inspect as hi
 from hsstore.errors import HsstoreError
 from pipelines.cli import main as cli_main
 from tests.conftest import REFERENCE_TARGET
-from tests.hsstore.helpers import HIDDEN, NUM_AUX, make_lineage, make_sample, make_specs, write_store
+from tests.hsstore.helpers import (
+    HIDDEN,
+    NUM_AUX,
+    make_lineage,
+    make_sample,
+    make_specs,
+    write_store,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
