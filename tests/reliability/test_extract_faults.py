@@ -1,49 +1,25 @@
-"""Extraction under faults: a Ray worker SIGKILLed mid-shard, the driver killed and the job rerun,
-a record that makes the worker raise. The end state is checked with ``verify`` and exact sample sets
+"""Extraction under faults: Ray workers SIGKILLed mid-shard again and again, a record that makes
+the worker raise. (One killed actor and a killed driver rerun are the extraction's own tests.) The end state is checked with ``verify`` and exact sample sets
 (the extraction's own plan, re-derived, is the expected set).
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 import hsstore
 from hsstore import StoreLocation
 from hsstore.verify import verify_store
 from tests.reliability.conftest import (
     REFERENCE_TARGET,
-    REPO,
     expected_sample_ids,
-    extract_overrides,
     load_extract_recipe,
     write_text_records,
 )
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
-
-
-def actor_processes(busy: bool) -> list[int]:
-    """Pids of live extraction actors (Ray titles them ``ray::_WorkerActor[.method]``); ``busy``:
-    only those executing ``run_unit`` now, i.e. in the middle of writing a shard."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            title = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-        except OSError:
-            continue
-        if title.startswith("ray::_WorkerActor") and (not busy or "run_unit" in title):
-            pids.append(int(entry.name))
-    return pids
 
 
 def store_sample_ids(url: str) -> list[str]:
@@ -54,78 +30,19 @@ def fatal(url: str) -> list[str]:
     return [str(p) for p in verify_store(StoreLocation(url)) if p.fatal]
 
 
-def test_a_worker_sigkilled_mid_shard_is_replaced_and_the_store_is_exact(ray_session, tmp_path):
-    from pipelines.extract import run_extraction
+def test_workers_sigkilled_mid_shard_again_and_again_leave_an_exact_store(ray_session, tmp_path):
+    """The short version of benchmarks/load_extract_kill.py: 2 Ray actors on the reference target,
+    a busy one (inside ``run_unit``, i.e. writing a shard) SIGKILLed after every 2 commits. Ray
+    restarts it and retries its unit into a fresh attempt folder; the committer keeps one record per
+    shard id. (A single kill and a killed driver are tests/pipelines/extract/test_ray_and_crashes.py.)"""
+    from benchmarks.load_extract_kill import run_load
 
-    url = str(tmp_path / "store")
-    data = write_text_records(tmp_path / "records.jsonl", 48)
-    recipe = load_extract_recipe(url, data, executor="ray")
-    killed: list[int] = []
-
-    def kill_a_busy_worker(result, executor) -> None:
-        if killed:
-            return
-        deadline = time.monotonic() + 30
-        while not (busy := actor_processes(busy=True)) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert busy, "no actor was writing a shard"
-        os.kill(busy[0], signal.SIGKILL)
-        killed.append(busy[0])
-
-    summary = run_extraction(recipe, on_commit=kill_a_busy_worker)
-    assert killed and killed[0] not in actor_processes(busy=False)
-    expected = expected_sample_ids(recipe)
-    ids = store_sample_ids(url)
-    assert len(ids) == len(expected) and set(ids) == expected  # nothing lost, nothing twice
-    assert summary.num_units_skipped == 0 and summary.num_samples_written == len(expected)
-    assert fatal(url) == []
-    # The killed attempt's files, if any, are unreferenced garbage (listed, never read).
-    assert all(p.kind == "unreferenced" for p in verify_store(StoreLocation(url)))
-
-
-def test_the_driver_killed_then_rerun_resumes_without_loss_or_duplicates(tmp_path):
-    from pipelines.extract import run_extraction
-
-    url = str(tmp_path / "store")
-    data = write_text_records(tmp_path / "records.jsonl", 48)
-    recipe_path = tmp_path / "extract.yaml"
-    recipe_path.write_text(yaml.safe_dump({"target": str(REFERENCE_TARGET), "data": [str(data)], "store": url}))
-    # The driver: the real CLI in its own process, on the local executor (the worker code the Ray
-    # actors run, without a second Ray cluster on a 2-core machine), killed after its first commit.
-    overrides = [a for o in extract_overrides(url, data, executor="local") for a in ("--set", o)]
-    driver = subprocess.Popen(
-        [sys.executable, "-m", "pipelines.cli", "extract", str(recipe_path), "--no-progress", *overrides],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and driver.poll() is None:
-            try:
-                if hsstore.committed_shard_ids(url):
-                    break
-            except hsstore.HsstoreError:
-                pass
-            time.sleep(0.05)
-        assert driver.poll() is None, "the driver finished before it could be killed"
-        driver.send_signal(signal.SIGKILL)
-        driver.wait()
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-            driver.wait()
-    committed = hsstore.committed_shard_ids(url)
-    assert committed and fatal(url) == []
-    # Rerun the same job (in process: the resume logic is the driver's, whichever executor runs the
-    # units; the Ray executor's retries are the previous test's subject): committed units are skipped.
-    recipe = load_extract_recipe(url, data, executor="local")
-    summary = run_extraction(recipe)
-    assert summary.num_units_skipped >= len(committed)
-    expected = expected_sample_ids(recipe)
-    ids = store_sample_ids(url)
-    assert len(ids) == len(expected) and set(ids) == expected
-    assert fatal(url) == []
+    data = write_text_records(tmp_path / "records.jsonl", 30)
+    result = run_load(tmp_path, records=30, kill_every=2, max_length=64, unit_tokens=120, data_source=data, ray_started=True)
+    assert len(result.kills) >= 2, result.kills
+    assert result.exact and result.samples == 30
+    assert result.verify_fatal == []
+    assert all(kill.next_commit_s is not None for kill in result.kills[:-1])  # work went on after each kill
 
 
 @pytest.fixture
