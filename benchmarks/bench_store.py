@@ -60,7 +60,7 @@ STORE_CODECS: dict[str, tuple[str, str]] = {
 }
 BASELINE = "per-sample bf16"
 # bf16 GiB of features written per layout (full run): sized so the whole run takes < 10 min here.
-DEFAULT_GIB = {4096: 2.0, 384: 0.75}
+DEFAULT_GIB = {4096: 1.5, 384: 0.5}
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class Settings:
     shuffle_window: int
     merge_gap_tokens: int
     chunk_mib: float
-    chunk_tokens: int
+    chunk_tokens: dict[int, int]  # per hidden size; missing: from chunk_mib
     shard_chunks: int
     compression_level: int
     shard_max_tokens: int
@@ -186,11 +186,11 @@ def write_per_sample(root: Path, samples: list[Sample]) -> None:
 
 def store_specs(layout: str, hidden: int, settings: Settings) -> list[hsstore.FeatureSpec]:
     """Both features get the same tokens per inner chunk: ``--chunk-tokens``, or as many as fit in
-    ``--chunk-mib`` of aux values. (Reads are sample-sized; whole chunks are read, so what matters is
-    the chunk's length in tokens next to a sample's, not its bytes.)"""
+    ``--chunk-mib`` of aux values. Reads are sample-sized and whole chunks are read, so a chunk's
+    length in tokens next to a sample's matters as much as its bytes (zarr's per-chunk cost)."""
     codec, compression = STORE_CODECS[layout]
     itemsize = 1 if codec == "fp8_e4m3" else 2
-    chunk_tokens = settings.chunk_tokens or max(1, int(settings.chunk_mib * (1 << 20)) // (NUM_AUX * hidden * itemsize))
+    chunk_tokens = settings.chunk_tokens.get(hidden) or max(1, int(settings.chunk_mib * (1 << 20)) // (NUM_AUX * hidden * itemsize))
     common = {
         "codec": codec,
         "compression": compression,
@@ -463,6 +463,12 @@ def run_hidden(hidden: int, settings: Settings, cold_method: str, log: Any) -> d
         if mode.startswith("warm"):
             for layout in layouts:  # warm-up epoch, untimed
                 one_read(layout, settings.seed, decode)
+            for layout in layouts:  # what stayed cached (other processes compete for memory)
+                files = list_files(roots[layout])
+                resident = resident_bytes(files)
+                if resident is not None:
+                    results[layout].setdefault("resident_frac_before_warm", []).append(
+                        min(1.0, resident / max(1, sum(f.stat().st_size for f in files))))  # pages round up
         for rep in range(settings.repeats):
             for layout in layouts:
                 if mode.startswith("cold"):
@@ -505,6 +511,8 @@ def run_hidden(hidden: int, settings: Settings, cold_method: str, log: Any) -> d
             row["chunk_amplification"] = statistics.median(x["chunk_amplification"] for x in r["warm"])
         if r["resident_before_cold"]:
             row["resident_bytes_before_cold"] = r["resident_before_cold"][0]
+        if r.get("resident_frac_before_warm"):
+            row["resident_frac_before_warm"] = min(r["resident_frac_before_warm"])
         summary[layout] = row
     base = summary.get(BASELINE)
     if base:
@@ -552,18 +560,19 @@ def markdown_table(result: dict[str, Any]) -> str:
         "",
         "Per CPU-second of this process (robust to other load) and how the runs went:",
         "",
-        "| layout | write tok/cpu-s | cold tok/cpu-s | warm tok/cpu-s | warm bits-only tok/cpu-s | others' CPU cold / warm | tokens per read | chunk amplification | resident before cold |",
+        "| layout | write tok/cpu-s | cold tok/cpu-s | warm tok/cpu-s | warm bits-only tok/cpu-s | others' CPU cold / warm | tokens per read | chunk amplification | resident before cold / warm |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for layout, row in result["summary"].items():
         others = [row.get(f"{m}_others_cpu_frac") for m in ("cold", "warm")]
         resident = row.get("resident_bytes_before_cold")
+        warm_frac = row.get("resident_frac_before_warm")
         lines.append(
             f"| {layout} | {num(row['write_tokens_per_cpu_s'])} | {num(row.get('cold_tokens_per_cpu_s'))} "
             f"| {num(row.get('warm_tokens_per_cpu_s'))} | {num(row.get('warm_bits_tokens_per_cpu_s'))} "
             f"| {' / '.join('-' if o is None else f'{100 * o:.0f}%' for o in others)} "
             f"| {num(row.get('tokens_per_read'))} | {num(row.get('chunk_amplification'), '{:.2f}')} "
-            f"| {'-' if resident is None else f'{resident / 1e6:.1f} MB'} |"
+            f"| {'-' if resident is None else f'{resident / 1e6:.1f} MB'} / {num(warm_frac, '{:.0%}')} |"
         )
     return "\n".join(lines)
 
@@ -587,6 +596,14 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def parse_chunk_tokens(text: str, hidden_sizes: list[int]) -> dict[int, int]:
+    """``"256"`` (every hidden size) or ``"4096:256,384:1024"``; 0 means "derive from --chunk-mib"."""
+    if ":" not in text:
+        return {h: int(text) for h in hidden_sizes}
+    pairs = (item.split(":") for item in text.split(",") if item.strip())
+    return {int(h): int(n) for h, n in pairs}
+
+
 def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes, 2 repeats (a couple of minutes)")
@@ -594,7 +611,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/hsstore-bench"), help="where layouts are written (removed at the end)")
     parser.add_argument("--keep", action="store_true", help="keep the written layouts")
     parser.add_argument("--hidden", default="4096,384", help="comma-separated hidden sizes")
-    parser.add_argument("--gib", type=float, help="bf16 GiB of features per layout (default: 2.0 at H=4096, 0.75 at H=384)")
+    parser.add_argument("--gib", type=float, help="bf16 GiB of features per layout (default: 1.5 at H=4096, 0.5 at H=384, else 0.25)")
     parser.add_argument("--repeats", type=int, default=3, help="timed epochs per layout and mode")
     parser.add_argument("--write-repeats", type=int, default=3)
     parser.add_argument("--layouts", default=",".join([BASELINE, *STORE_CODECS]), help="comma-separated subset")
@@ -607,7 +624,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     parser.add_argument("--shuffle-window", type=int, default=1024, help="samples (loader)")
     parser.add_argument("--merge-gap-tokens", type=int, default=256)
     parser.add_argument("--chunk-mib", type=float, default=4.0, help="aux inner chunk MiB when --chunk-tokens is 0 (FeatureSpec's default is 4)")
-    parser.add_argument("--chunk-tokens", type=int, default=256, help="tokens per inner chunk; 0: use --chunk-mib")
+    parser.add_argument("--chunk-tokens", default="4096:256,384:1024", help="tokens per inner chunk: N for every hidden size, or H:N,H:N (hidden sizes not named use --chunk-mib)")
     parser.add_argument("--shard-chunks", type=int, default=64)
     parser.add_argument("--compression-level", type=int, default=1)
     parser.add_argument("--shard-max-tokens", type=int, default=1 << 20)
@@ -630,7 +647,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
         token_budget=args.token_budget, max_len=args.max_len, mean_len=args.mean_len,
         read_threads=args.read_threads, prefetch_batches=args.prefetch_batches,
         baseline_threads=args.baseline_threads, shuffle_window=args.shuffle_window,
-        merge_gap_tokens=args.merge_gap_tokens, chunk_mib=args.chunk_mib, chunk_tokens=args.chunk_tokens, shard_chunks=args.shard_chunks,
+        merge_gap_tokens=args.merge_gap_tokens, chunk_mib=args.chunk_mib, chunk_tokens=parse_chunk_tokens(args.chunk_tokens, hidden_sizes), shard_chunks=args.shard_chunks,
         compression_level=args.compression_level, shard_max_tokens=args.shard_max_tokens,
         cold=args.cold, bits_only=not args.no_bits_only, workdir=args.workdir, seed=args.seed,
     )

@@ -27,8 +27,8 @@ def test_tiny_run_prints_tables_and_writes_json(tmp_path: Path, capsys: pytest.C
     out = tmp_path / "results.json"
     workdir = tmp_path / "work"
     code = bench.main([
-        "--hidden", "32", "--gib", "0.002", "--repeats", "1", "--write-repeats", "1",
-        "--cold", "fadvise", "--mean-len", "200", "--max-len", "512", "--token-budget", "1024",
+        "--hidden", "32", "--gib", "0.001", "--repeats", "1", "--write-repeats", "1",
+        "--cold", "fadvise", "--mean-len", "100", "--max-len", "256", "--token-budget", "512",
         "--chunk-tokens", "64", "--workdir", str(workdir), "--out", str(out),
     ])
     assert code == 0
