@@ -1,0 +1,158 @@
+"""The training loop on the reference target's real store: learning, exact resume, DDP, stage 2.
+
+One short stage-1 run (session fixture) serves several tests: its loss must fall and its
+per-depth accuracy rise; an interrupted-and-resumed copy must log the very same numbers; its final
+checkpoint is the frozen draft the candidate-head test starts from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipelines.train import TrainRecipe, run_training
+
+from .conftest import REFERENCE_TARGET
+
+pytestmark = pytest.mark.slow
+
+STAGE1_STEPS = 36
+
+
+def small_recipe(store: str, output_dir: Path, **overrides: Any) -> TrainRecipe:
+    """The reference recipe shrunk for a CPU test: 256-token rows, a narrower MLP, a 1k vocab."""
+    data: dict[str, Any] = {
+        "store": store,
+        "target": str(REFERENCE_TARGET),
+        "output_dir": str(output_dir),
+        "max_steps": STAGE1_STEPS,
+        "draft": {"intermediate_size": 512, "vocab": {"draft_vocab_size": 1024}},
+        "loader": {"token_budget": 256, "shuffle_window": 32, "read_threads": 2},
+        "optimizer": {"lr": 3e-3},
+        "schedule": {"warmup_steps": 4},
+        "log_every": 1,
+        "device": "cpu",
+        "seed": 0,
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    return TrainRecipe.model_validate(data)
+
+
+def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def stage1(reference_store: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    output_dir = tmp_path_factory.mktemp("stage1")
+    summary = run_training(small_recipe(reference_store, output_dir))
+    return output_dir, summary
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def test_loss_falls_and_accuracy_rises(stage1: tuple[Path, dict[str, Any]], capsys: pytest.CaptureFixture[str]) -> None:
+    output_dir, summary = stage1
+    metrics = read_metrics(output_dir)
+    assert [m["step"] for m in metrics] == list(range(1, STAGE1_STEPS + 1))
+    first, last = metrics[:6], metrics[-6:]
+    assert mean([m["loss"] for m in last]) < 0.8 * mean([m["loss"] for m in first])
+    for depth in range(7):
+        assert mean([m["acc"][depth] for m in last]) > mean([m["acc"][depth] for m in first]) + 0.05, depth
+    assert summary["final_acc"][0] > 0.2
+    assert summary["steps"] == STAGE1_STEPS and not summary["interrupted"]
+    assert 0.0 <= summary["data_wait_frac"] < 1.0 and summary["tokens_per_s"] > 0
+    final = Path(summary["checkpoint"])
+    assert final == output_dir / "checkpoints" / "final"
+    assert (final / "draft" / "model.safetensors").is_file() and (final / "optimizer.pt").is_file()
+    state = json.loads((final / "trainer_state.json").read_text())
+    assert state["step"] == STAGE1_STEPS and state["loader"]["epoch"] >= 1
+    vocab = json.loads((output_dir / "draft_vocab.json").read_text())
+    assert vocab["draft_vocab_size"] == 1024
+
+
+def test_stop_and_resume_reproduces_the_uninterrupted_run(
+    stage1: tuple[Path, dict[str, Any]], reference_store: str, tmp_path: Path
+) -> None:
+    reference_dir, _ = stage1
+    recipe = small_recipe(reference_store, tmp_path / "run", checkpoint_every=10)
+    stopped = run_training(recipe, stop_at_step=13)  # mid-epoch, between two periodic checkpoints
+    assert stopped["interrupted"] and stopped["steps"] == 13
+    assert Path(stopped["checkpoint"]).name == "step_000013"
+    resumed = run_training(recipe)
+    assert resumed["steps"] == STAGE1_STEPS and not resumed["interrupted"]
+    expected, got = read_metrics(reference_dir), read_metrics(tmp_path / "run")
+    keys = ("step", "epoch", "lr", "loss", "acc", "positions", "tokens", "grad_norm")
+    assert [{k: m[k] for k in keys} for m in got] == [{k: m[k] for k in keys} for m in expected]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _ddp_worker(rank: int, world_size: int, port: int, recipe_json: str, result_dir: str) -> None:
+    os.environ.update(
+        {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    )
+    import torch
+
+    torch.set_num_threads(1)
+    summary = run_training(TrainRecipe.model_validate_json(recipe_json))
+    Path(result_dir, f"rank{rank}.json").write_text(json.dumps(summary))
+
+
+def test_ddp_two_gloo_processes_take_equal_steps(reference_store: str, tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    from hsstore.loader import StreamingLoader
+
+    # No max_steps: one epoch, whose length per rank the loader sets. Unequal counts would hang the
+    # per-step all-reduce; equal ones finish together.
+    recipe = small_recipe(
+        reference_store, tmp_path / "ddp", max_steps=None, schedule={"epochs": 1}, loader={"rows_per_batch": 2}
+    )
+    mp.spawn(
+        _ddp_worker, args=(2, _free_port(), recipe.model_dump_json(), str(tmp_path)), nprocs=2, join=True
+    )
+    summaries = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    per_rank = StreamingLoader(reference_store, ["aux_hidden_states"], token_budget=256, rows_per_batch=2,
+                               shuffle_window=32, rank=1, world_size=2).num_batches(0)
+    assert per_rank > 0
+    assert [s["steps"] for s in summaries] == [per_rank, per_rank]
+    assert summaries[0]["world_size"] == 2
+    metrics = read_metrics(tmp_path / "ddp")  # rank 0 writes, numbers reduced over both ranks
+    assert len(metrics) == per_rank
+    assert (tmp_path / "ddp" / "checkpoints" / "final" / "draft" / "config.json").is_file()
+
+
+def test_candidate_head_recall_and_kl(stage1: tuple[Path, dict[str, Any]], reference_store: str, tmp_path: Path) -> None:
+    stage1_dir, summary = stage1
+    recipe = small_recipe(
+        reference_store, tmp_path / "head", max_steps=16, model="eagle4", stage="candidate_head",
+        candidate_head={"draft_checkpoint": summary["checkpoint"], "rank": 32, "num_candidates": 32},
+        optimizer={"lr": 2e-3}, schedule={"warmup_steps": 2},
+    )
+    result = run_training(recipe)
+    metrics = read_metrics(tmp_path / "head")
+    first, last = metrics[:3], metrics[-3:]
+    assert mean([mean(m["kl"]) for m in last]) < mean([mean(m["kl"]) for m in first])
+    assert min(result["final_acc"]) >= 0.95, result["final_acc"]  # recall@32 at every depth
+    from pipelines.models.checkpoint import load_draft
+
+    draft = load_draft(result["checkpoint"])
+    assert draft.config.candidate_rank == 32 and draft.config.num_candidates == 32
+    assert draft.candidate_head is not None
