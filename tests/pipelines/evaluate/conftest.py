@@ -54,3 +54,15 @@ def single_torch_thread() -> Iterator[None]:
     Module-scoped fixtures that run models use :func:`one_thread` themselves."""
     with one_thread():
         yield
+
+
+@pytest.fixture(scope="session")
+def short_prompts_file(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The eval prompts with each message cut to 240 characters: real chats, fast prefills."""
+    path = tmp_path_factory.mktemp("prompts") / "short_prompts.jsonl"
+    with open(shared_data / "eval_prompts.jsonl", encoding="utf-8") as src, open(path, "w") as dst:
+        for line in src:
+            record = json.loads(line)
+            record["messages"] = [{**m, "content": m["content"][:240]} for m in record["messages"]]
+            dst.write(json.dumps(record) + "\n")
+    return path
