@@ -247,7 +247,11 @@ def _train_recipe(base: dict[str, Any], overrides: dict[str, Any], source: str, 
 def _evaluate_mapping(settings: EvaluateSettings, draft: Path, output_dir: Path) -> dict[str, Any]:
     data = read_yaml(settings.recipe) if isinstance(settings.recipe, str) else copy.deepcopy(settings.recipe)
     sets = [f"{k}={json.dumps(v)}" for k, v in {**flatten(settings.overrides), "draft": str(draft), "output_dir": str(output_dir)}.items()]
-    return apply_overrides(data, sets)
+    data = apply_overrides(data, sets)
+    from pipelines.evaluate import EvaluateRecipe  # light: the recipe model only
+
+    build_recipe(EvaluateRecipe, copy.deepcopy(data), source="the sweep's evaluate recipe")  # fail before training
+    return data
 
 
 def default_metric(recipe: SweepRecipe) -> str:

@@ -79,9 +79,9 @@ def run_sweep(recipe: SweepRecipe) -> SweepReport:
         ran=[p.name for p in todo if p.name not in failed],
         skipped=sorted(done, key=[p.name for p in points].index),
         failed=failed,
-        metric=default_metric(recipe),
         grid_keys=list(recipe.grid),
     )
+    report.metric = resolve_metric(report.results, default_metric(recipe))
     report.files = write_results(report.results, out, list(recipe.grid), report.metric)
     return report
 
@@ -136,8 +136,27 @@ def _evaluate(point: SweepPoint) -> dict[str, Any]:
 
     assert point.evaluate_recipe is not None
     recipe = build_recipe(EvaluateRecipe, point.evaluate_recipe, source=f"evaluate of sweep point {point.name}")
-    results = run_evaluation(recipe)
-    return {k: v for k, v in flatten(results).items() if isinstance(v, int | float | str | bool) or v is None}
+    return evaluation_columns(run_evaluation(recipe))
+
+
+def evaluation_columns(results: dict[str, Any]) -> dict[str, Any]:
+    """The numbers of ``run_evaluation``'s dict that compare points: per decoding setting the
+    acceptance length, tokens/s, speedup and greedy agreement (suffixed ``.<setting>`` when the
+    evaluation measures several settings), and the offline proxy's scalars."""
+    settings = results.get("settings") or []
+    columns: dict[str, Any] = {}
+    for setting in settings:
+        suffix = "" if len(settings) == 1 else f".{setting['name']}"
+        for key in ("acceptance_length", "tokens_per_second", "speedup"):
+            if setting.get(key) is not None:
+                columns[key + suffix] = setting[key]
+        agreement = setting.get("greedy_agreement")
+        if agreement:
+            columns["greedy_identical" + suffix] = agreement["identical"] / max(1, agreement["num_prompts"])
+    proxy = results.get("offline_proxy")
+    if isinstance(proxy, dict):
+        columns.update({f"proxy.{k}": v for k, v in flatten(proxy).items() if isinstance(v, int | float)})
+    return columns
 
 
 def _train_columns(summary: dict[str, Any], what: str, prefix: str) -> dict[str, Any]:
@@ -303,6 +322,14 @@ def _column_order(columns: list[str], keys: list[str]) -> list[str]:
     return front + sorted(rest, key=sort_key)
 
 
+def resolve_metric(results: pd.DataFrame, metric: str) -> str:
+    """``metric`` itself, or its first per-setting column (``acceptance_length.<setting>``) when the
+    evaluation measured several decoding settings."""
+    if metric in results:
+        return metric
+    return next((c for c in results.columns if c.startswith(metric + ".")), metric)
+
+
 def write_results(results: pd.DataFrame, out: Path, keys: list[str], metric: str) -> dict[str, Path]:
     """``results.parquet``, ``results.csv`` and one PNG per swept key of ``metric`` against it."""
     files = {"parquet": out / "results.parquet", "csv": out / "results.csv"}
@@ -316,6 +343,7 @@ def write_results(results: pd.DataFrame, out: Path, keys: list[str], metric: str
     results.to_csv(files["csv"], index=False)
     from pipelines.sweep.plots import plot_metric
 
+    metric = resolve_metric(results, metric)
     if metric in results and results[metric].notna().any():
         for key in keys:
             path = out / "plots" / f"{metric}_vs_{key}.png"

@@ -134,3 +134,32 @@ def test_ray_executor_trains_every_point(tmp_path, tiny_store):
     results = report.results
     assert (results["status"] == "done").all() and results["acc_0"].between(0, 1).all()
     assert all((tmp_path / "out" / "drafts" / name / "done.json").exists() for name in results["draft"])
+
+
+@pytest.mark.slow
+def test_points_are_evaluated_by_really_decoding(tmp_path, tiny_store):
+    prompts = tmp_path / "prompts.jsonl"  # one short prompt: the CPU prefill stays cheap
+    prompts.write_text(json.dumps({"id": "p0", "messages": [{"role": "user", "content": "Write a Python function that reverses a list."}]}) + "\n")
+    evaluate = {
+        "recipe": str(REPO / "recipes" / "reference" / "evaluate.yaml"),
+        "overrides": {"prompts": str(prompts), "limit": 1,
+                      "max_new_tokens": 8, "settings": [{"num_draft_tokens": 3}], "baseline": False,
+                      "warmup_tokens": 0, "proxy": None, "device": "cpu"},
+    }
+    recipe_path = write_sweep(tmp_path / "sweep.yaml", tiny_store, grid={"ttt_length": [2]}, evaluate=evaluate)
+    report = run_sweep(load_sweep_recipe(recipe_path))
+    assert report.ok and report.metric == "acceptance_length"
+    row = report.results.iloc[0]
+    assert 1.0 <= row["acceptance_length"] <= 4.0  # the bonus token, plus up to 3 accepted draft tokens
+    results = json.loads((tmp_path / "out" / "points" / row["point"] / "eval" / "evaluation_results.json").read_text())
+    assert results["acceptance_length"] == row["acceptance_length"]
+    assert results["draft"].endswith(f"drafts/{row['draft']}/checkpoints/final")
+    assert (tmp_path / "out" / "plots" / "acceptance_length_vs_ttt_length.png").exists()
+
+
+def test_a_bad_evaluate_recipe_fails_before_training(tmp_path, tiny_store):
+    evaluate = {"recipe": str(REPO / "recipes" / "reference" / "evaluate.yaml"), "overrides": {"settings": []}}
+    recipe_path = write_sweep(tmp_path / "sweep.yaml", tiny_store, grid={"ttt_length": [2]}, evaluate=evaluate)
+    with pytest.raises(RecipeError, match="(?s)the sweep's evaluate recipe.*settings"):
+        run_sweep(load_sweep_recipe(recipe_path))
+    assert not (tmp_path / "out").exists()
