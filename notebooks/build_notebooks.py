@@ -178,6 +178,7 @@ SWEEP_CELLS = [
         "    }\n"
         "    recipe = SweepRecipe.model_validate({\n"
         "        **reference.model_dump(), \"overrides\": tiny, \"output_dir\": SWEEP_DIR,\n"
+        "        \"evaluate\": None, \"metric\": \"recall_0\",  # the reference sweep also decodes with each point: minutes on a CPU\n"
         "        \"grid\": {\"ttt_length\": [2, 3], \"candidate_head.rank\": [8, 32]},\n"
         "    })\n"
         "    report = run_sweep(recipe)\n"
