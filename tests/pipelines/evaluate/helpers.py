@@ -32,9 +32,8 @@ def one_thread() -> Iterator[None]:
 def random_draft(target: TargetModel, seed: int = 0, **overrides: object) -> Eagle3Draft:
     """An untrained draft shaped for ``target``, sharing its embeddings (as training does)."""
     torch.manual_seed(seed)
-    config = Eagle3Config.from_target_config(
-        target.model.config, aux_layer_ids=target.aux_layer_ids, **overrides
-    )
+    overrides = {"aux_layer_ids": target.aux_layer_ids, **overrides}
+    config = Eagle3Config.from_target_config(target.model.config, **overrides)
     draft = Eagle3Draft(config)
     with torch.no_grad():
         draft.embed_tokens.weight.copy_(target.input_embeddings())
