@@ -88,12 +88,19 @@ class TreeDrafter:
         )
         self.draft = draft.eval()
         self.device = target.device
-        self.dtype = next(draft.parameters()).dtype
         self.cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.num_positions = 0
         self.last_hidden_D: torch.Tensor | None = None
         self.seconds = 0.0
         self.num_forwards = 0
+
+    @property
+    def max_top_k(self) -> int:
+        """The most children a node can get: the candidate count with a candidate head, else
+        the draft vocabulary."""
+        if self.draft.candidate_head is not None and self.draft.config.num_candidates:
+            return int(self.draft.config.num_candidates)
+        return int(self.draft.config.draft_vocab_size)
 
     def reset(self) -> None:
         self.cache = None

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from hsstore.errors import RecipeError
 from pipelines.evaluate.decoding import (
     GenerationResult,
     SamplingConfig,
@@ -108,6 +109,12 @@ def run_evaluation(recipe: EvaluateRecipe) -> dict[str, Any]:
     )
     target = TargetModel(model, list(draft.config.aux_layer_ids))
     drafter = TreeDrafter(draft, target)
+    for i, setting in enumerate(recipe.settings):
+        if setting.top_k > drafter.max_top_k:
+            raise RecipeError(
+                f"settings.{i} ({setting.label}): draft_top_k={setting.top_k} exceeds the "
+                f"{drafter.max_top_k} candidates this draft can rank"
+            )
     tokenizer = AutoTokenizer.from_pretrained(recipe.target)
     prompts = load_prompts(recipe.prompts, tokenizer, recipe.limit)
     eos = eos_token_ids(model)

@@ -287,3 +287,26 @@ def test_benchmark_script_runs_at_a_tiny_size(
     assert "| chain-2-greedy |" in table and "| tree-2-2-3-t1 |" in table
     results = json.loads(out.read_text())
     assert len(results["settings"]) == 4 and results["benchmark"]["cpu_threads"] >= 1
+
+
+def test_a_tree_wider_than_the_draft_vocabulary_is_refused(
+    tmp_path: Path, reference_target: Path, random_draft_dir: Path, short_prompts_file: Path
+) -> None:
+    recipe = build_recipe(
+        EvaluateRecipe,
+        recipe_dict(
+            target=str(reference_target),
+            draft=str(random_draft_dir),
+            prompts=str(short_prompts_file),
+            output_dir=str(tmp_path / "out"),
+            device="cpu",
+            settings=[
+                {"num_draft_tokens": 2},
+                {"draft_top_k": 9000, "draft_depth": 2, "total_draft_tokens": 8},
+            ],
+        ),
+    )
+    with pytest.raises(
+        RecipeError, match=r"settings.1 \(tree-9000-2-8-greedy\): draft_top_k=9000 exceeds the 8192"
+    ):
+        run_evaluation(recipe)
