@@ -12,8 +12,8 @@ vocabulary projection runs only when ``topk`` is asked for, chunked over tokens 
 and only the k kept values and ids leave it.
 
 Padding: batches are right-padded (see batching.collate). Only rows' valid prefixes are gathered
-(``hidden_BTD[attention_mask_BT]``), so padded positions never reach a feature; with causal
-attention a valid token never attends to a later pad either.
+(by flat token index), so padded positions never reach a feature; with causal attention a valid
+token never attends to a later pad either.
 """
 
 from __future__ import annotations
@@ -141,25 +141,39 @@ class HiddenStateCapture:
 
     @torch.inference_mode()
     def __call__(
-        self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor
+        self,
+        input_ids_BT: torch.Tensor,
+        attention_mask_BT: torch.Tensor,
+        valid_index_N: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
+        """Features of the valid tokens, rows in order.
+
+        ``valid_index_N``: the flat indices (``b * T + t``) of the valid tokens, on the model's
+        device. Give it when the mask lives on the host: gathering by a boolean device mask must
+        ask the GPU how many tokens it selects, a sync that stalls the CPU once per batch.
+        """
         self._captured.clear()
+        if valid_index_N is None:
+            valid_index_N = attention_mask_BT.reshape(-1).nonzero().squeeze(-1)
         try:
             self.parts.base(
                 input_ids=input_ids_BT,
                 attention_mask=attention_mask_BT if self.pass_attention_mask else None,
                 use_cache=False,
             )
-            valid_BT = attention_mask_BT.bool()
             final_BTD = self._captured["final"]
+
+            def valid(hidden_BTD: torch.Tensor) -> torch.Tensor:
+                return hidden_BTD.reshape(-1, hidden_BTD.shape[-1]).index_select(0, valid_index_N)
+
             features: dict[str, torch.Tensor] = {}
             if self.aux_layer_ids:
                 per_layer = [
-                    (final_BTD if i == self.num_layers else self._captured[i])[valid_BT]
+                    valid(final_BTD if i == self.num_layers else self._captured[i])
                     for i in self.aux_layer_ids
                 ]
                 features[AUX_FEATURE] = torch.stack(per_layer, dim=1)  # [N, K, H]
-            final_NH = final_BTD[valid_BT]
+            final_NH = valid(final_BTD)
             if self.final_hidden_state:
                 features[FINAL_FEATURE] = final_NH
             if self.topk_k is not None:

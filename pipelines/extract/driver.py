@@ -156,7 +156,9 @@ def run_extraction(
     # without findings.
     removed = collect_garbage(location, min_age_s=0.0)
     if removed:
-        logger.info("removed %d dead shard attempt(s) left by earlier crashes or retries", len(removed))
+        logger.info(
+            "removed %d dead shard attempt(s) left by earlier crashes or retries", len(removed)
+        )
     manifest = read_manifest(location)
     summary.store_bytes = manifest.num_bytes if manifest else 0
     summary.wall_seconds = time.perf_counter() - wall_start

@@ -27,6 +27,8 @@ from pipelines.extract.worker import ExtractionWorker, UnitResult, WorkerSpec, W
 logger = logging.getLogger(__name__)
 
 ResultCallback = Callable[[UnitResult], None]
+# Units a worker holds at once: one running forwards, one finishing its shard (worker.run_unit).
+UNITS_IN_FLIGHT = 2
 
 
 class LocalExecutor:
@@ -36,8 +38,21 @@ class LocalExecutor:
         self.worker = worker if worker is not None else ExtractionWorker(spec)
 
     def run(self, units: Sequence[WorkUnit], on_result: ResultCallback) -> None:
-        for unit in units:
-            on_result(self.worker.run_unit(unit))
+        """Two units in flight: one computing, the previous one finishing its shard."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        in_flight: deque[Any] = deque()
+        with ThreadPoolExecutor(max_workers=UNITS_IN_FLIGHT, thread_name_prefix="unit") as pool:
+            try:
+                for unit in units:
+                    in_flight.append(pool.submit(self.worker.run_unit, unit))
+                    if len(in_flight) >= UNITS_IN_FLIGHT:
+                        on_result(in_flight.popleft().result())
+                while in_flight:
+                    on_result(in_flight.popleft().result())
+            finally:
+                for future in in_flight:
+                    future.cancel()
 
     def close(self) -> None:
         self.worker.close()
@@ -88,6 +103,8 @@ class RayExecutor:
             num_gpus=num_gpus,
             max_restarts=settings.max_restarts,
             max_task_retries=settings.max_task_retries,
+            # Two threads: a unit finishing its shard overlaps the next unit's forwards.
+            max_concurrency=UNITS_IN_FLIGHT,
         )
         self.actors = [actor_class.remote(spec) for _ in range(num_workers)]
         # Waits for the actors to start (model loaded); the pids name the processes in logs

@@ -10,6 +10,7 @@ driver's manifest commit makes them visible (hsstore's ShardWriter contract).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,8 +57,9 @@ class UnitResult:
     num_tokens: int
     num_padded_tokens: int
     num_batches: int
-    seconds: float
-    write_seconds: float
+    seconds: float  # the whole unit, shard finished
+    compute_seconds: float  # holding the model (forwards; the GPU work may still be queued)
+    write_seconds: float  # the writer thread's busy time
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,7 @@ class ExtractionWorker:
                 trust_remote_code=spec.trust_remote_code,
             )
         )
+        self._compute_lock = threading.Lock()
         self.capture = HiddenStateCapture(
             self.model,
             spec.aux_layer_ids,
@@ -145,14 +148,13 @@ class ExtractionWorker:
         )
 
     def run_unit(self, unit: WorkUnit) -> UnitResult:
+        """Run the target over a unit and write its shard (not committed: the driver does that).
+
+        Thread-safe, and meant to be called from two threads: the forwards run under a lock, one
+        unit at a time, but finishing a shard (last flushes, sample table, checksumming every
+        file: seconds for GBs) happens outside it, so the next unit's forwards overlap it.
+        """
         start = time.perf_counter()
-        writer = ShardWriter(
-            self.spec.store,
-            unit.shard_id,
-            list(self.spec.features),
-            storage_options=self.spec.storage_options,
-        )
-        sink = ShardSink(writer, self.device)
         token_ids = [row.input_ids for row in unit.rows]
         batches = plan_batches(
             [len(ids) for ids in token_ids],
@@ -160,14 +162,33 @@ class ExtractionWorker:
             max_batch_size=self.spec.max_batch_size,
             pad_to_multiple_of=self.spec.pad_to_multiple_of,
         )
+        with self._compute_lock:
+            compute_start = time.perf_counter()
+            writer = ShardWriter(
+                self.spec.store,
+                unit.shard_id,
+                list(self.spec.features),
+                storage_options=self.spec.storage_options,
+            )
+            sink = ShardSink(writer, self.device)
+            try:
+                for batch in batches:
+                    input_ids_BT, attention_mask_BT = collate(
+                        token_ids, batch, self.spec.pad_token_id
+                    )
+                    # Flat indices of the real tokens, computed here so the GPU is never asked.
+                    valid_index_N = np.flatnonzero(attention_mask_BT.reshape(-1))
+                    features = self.capture(
+                        _to_device(input_ids_BT, self.device),
+                        _to_device(attention_mask_BT, self.device),
+                        _to_device(valid_index_N, self.device),
+                    )
+                    sink.submit([unit.rows[i] for i in batch.indices], features)
+            except BaseException:
+                sink.abort()
+                raise
+            compute_seconds = time.perf_counter() - compute_start
         try:
-            for batch in batches:
-                input_ids_BT, attention_mask_BT = collate(token_ids, batch, self.spec.pad_token_id)
-                features = self.capture(
-                    _to_device(input_ids_BT, self.device),
-                    _to_device(attention_mask_BT, self.device),
-                )
-                sink.submit([unit.rows[i] for i in batch.indices], features)
             record = sink.finish()
         except BaseException:
             sink.abort()
@@ -180,6 +201,7 @@ class ExtractionWorker:
             num_padded_tokens=sum(b.num_padded_tokens for b in batches),
             num_batches=len(batches),
             seconds=time.perf_counter() - start,
+            compute_seconds=compute_seconds,
             write_seconds=sink.write_seconds,
         )
 

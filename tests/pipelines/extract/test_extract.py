@@ -15,7 +15,7 @@ from pipelines.extract import run_extraction
 from pipelines.extract.driver import make_sample_tokenizer
 from pipelines.extract.records import Record
 from pipelines.extract.worker import load_target
-from tests.conftest import REFERENCE_TARGET
+from tests.conftest import REFERENCE_TARGET, REPO_ROOT
 from tests.pipelines.extract.conftest import MIXED_RECORDS, write_jsonl
 from tests.pipelines.extract.helpers import (
     as_array,
@@ -156,3 +156,26 @@ def test_cli_runs_a_recipe_and_reports_bad_keys(tiny_qwen3: Path, mixed_data: Pa
     assert "capture.bogus: unknown key" in capsys.readouterr().err
     assert cli_main(["extract", str(recipe_path), "--set", "batching.token_budget=8"]) == 1
     assert "token_budget (8) must be >= max_length (4096)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", ["recipes/reference/extract.yaml", "recipes/qwen3/qwen3-8b-eagle3-extract.yaml"])
+def test_shipped_recipes_validate(path: str) -> None:
+    from pipelines.extract.recipe import ExtractRecipe
+    from pipelines.recipe import load_recipe
+
+    recipe = load_recipe(ExtractRecipe, REPO_ROOT / path)
+    assert recipe.executor == "ray" and recipe.capture.target_distribution == "final_hidden"
+
+
+def test_reference_recipe_runs_from_the_repo_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shipped recipe as a user runs it (relative paths from the repository root)."""
+    if not (REPO_ROOT.parent / "shared" / "data" / "draft_train.jsonl").exists():
+        pytest.skip("../shared/data is not beside this checkout")
+    monkeypatch.chdir(REPO_ROOT)
+    overrides = ["limit=6", "executor=local", f"store={tmp_path / 'store'}", "batching.max_length=256", "batching.too_long=truncate"]
+    from pipelines.extract.recipe import ExtractRecipe
+    from pipelines.recipe import load_recipe
+
+    summary = run_extraction(load_recipe(ExtractRecipe, "recipes/reference/extract.yaml", overrides))
+    assert summary.num_records == 6 and summary.num_samples + summary.num_rejected == 6
+    assert hsstore.open_store(str(tmp_path / "store")).lineage.aux_layer_ids == [2, 4, 5]

@@ -1,0 +1,277 @@
+"""Extraction throughput against a bare forward of the same model, on the same batches.
+
+For each model: random token sequences (lengths uniform in [min_length, max_length], seeded) are
+cut into work units and length-bucketed batches exactly as ``hsstore extract`` does. Then, on the
+same batches:
+
+- bare: ``model.model(input_ids, attention_mask)``: the base model, no hooks, no copies, no writes;
+- extract: the extraction worker (hooks on the aux layers and the final norm, the valid tokens
+  gathered, device-to-host copies, the shard written through hsstore.ShardWriter on a writer
+  thread, each shard committed to a store in ``--store-dir``).
+
+The worker runs in process (pipelines.extract.executors.LocalExecutor): the GPU machine has no
+Ray, and an actor runs exactly this code, so this measures what each actor does per GPU.
+
+Models: ``reference`` (examples/reference-target, the real trained weights), ``qwen3-8b`` (the
+Qwen3-8B shape: 36 layers, hidden 4096, vocab 151936, random bf16 weights built from a config;
+needs a GPU), ``small`` (a 4-layer hidden-256 Qwen3 shape, for a CPU smoke run).
+
+    # GPU (the lent H200):
+    python benchmarks/bench_extract.py --models reference,qwen3-8b --out bench_extract.json
+    # CPU smoke:
+    python benchmarks/bench_extract.py --models small --device cpu --tokens 8192 --out /tmp/b.json
+
+Prints a markdown table; ``--out`` gets the numbers as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from hsstore import FeatureSpec, Lineage, commit_shards  # noqa: E402
+from pipelines.extract.batching import collate, padding_waste, plan_batches  # noqa: E402
+from pipelines.extract.executors import LocalExecutor  # noqa: E402
+from pipelines.extract.plan import plan_units  # noqa: E402
+from pipelines.extract.tokenize import TokenizedSample  # noqa: E402
+from pipelines.extract.worker import ExtractionWorker, WorkerSpec, load_target  # noqa: E402
+from pipelines.target_identity import default_aux_layer_ids  # noqa: E402
+
+QWEN3_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+    ),
+    "small": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=8192,
+        max_position_embeddings=4096,
+    ),
+}
+
+
+def build_model(name: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    if name == "reference":
+        return load_target(str(REPO_ROOT / "examples" / "reference-target"), dtype=str(dtype).split(".")[1], device=device)
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(rms_norm_eps=1e-6, tie_word_embeddings=False, attn_implementation="sdpa", **QWEN3_SHAPES[name])
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # Random init is N(0, 0.02): keep activations in a realistic range for bf16.
+    return model.eval().requires_grad_(False)
+
+
+def make_samples(num_tokens: int, min_length: int, max_length: int, vocab_size: int, seed: int) -> list[TokenizedSample]:
+    rng = np.random.default_rng(seed)
+    samples, total = [], 0
+    while total < num_tokens:
+        length = int(rng.integers(min_length, max_length + 1))
+        ids = rng.integers(3, vocab_size, length).astype(np.int32)
+        samples.append(TokenizedSample(f"bench-{len(samples):07d}", f"r{len(samples)}", ids, np.ones(length, np.uint8), False))
+        total += length
+    return samples
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor
+
+
+def bare_forward_seconds(model: torch.nn.Module, units: list[Any], spec: WorkerSpec, device: torch.device) -> float:
+    """The same batches through ``model.model`` with nothing else.
+
+    Run on a worker thread, as the extraction's forwards are (LocalExecutor's pool): on a loaded
+    CPU, torch's intra-op threading behaves differently on the main thread than on others, which
+    would skew the comparison (observed: 7x on a 2-core box under load). On a GPU it makes no odds.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(_bare_pass, model, units, spec, device).result()
+
+
+@torch.inference_mode()
+def _bare_pass(model: torch.nn.Module, units: list[Any], spec: WorkerSpec, device: torch.device) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    for unit in units:
+        token_ids = [row.input_ids for row in unit.rows]
+        for batch in plan_batches([len(t) for t in token_ids], spec.token_budget, max_batch_size=spec.max_batch_size, pad_to_multiple_of=spec.pad_to_multiple_of):
+            input_ids, mask = collate(token_ids, batch, spec.pad_token_id)
+            model.model(
+                input_ids=to_device(input_ids, device),
+                attention_mask=to_device(mask, device) if spec.pass_attention_mask else None,
+                use_cache=False,
+            )
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def extraction_seconds(worker: ExtractionWorker, units: list[Any], spec: WorkerSpec, lineage: Lineage) -> tuple[float, list[Any]]:
+    """The same units through the extraction worker, each shard committed as it finishes."""
+    results: list[Any] = []
+
+    def commit(result: Any) -> None:
+        commit_shards(spec.store, [result.record], features=list(spec.features), lineage=lineage)
+        results.append(result)
+
+    synchronize(worker.device)
+    start = time.perf_counter()
+    executor = LocalExecutor(spec, worker=worker)
+    executor.run(units, commit)
+    synchronize(worker.device)
+    return time.perf_counter() - start, results
+
+
+def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    dtype = getattr(torch, args.dtype)
+    model = build_model(name, dtype, device)
+    config = model.config
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    aux_layer_ids = default_aux_layer_ids(layers)
+    features = (
+        FeatureSpec(name="aux_hidden_states", shape=(len(aux_layer_ids), hidden), codec=args.codec),
+        FeatureSpec(name="final_hidden_state", shape=(hidden,), codec=args.codec),
+    )
+    store_root = Path(tempfile.mkdtemp(prefix=f"bench-extract-{name}-", dir=args.store_dir))
+    spec = WorkerSpec(
+        target=name,
+        store=str(store_root / "store"),
+        features=features,
+        aux_layer_ids=tuple(aux_layer_ids),
+        device=str(device),
+        token_budget=args.token_budget,
+        pad_to_multiple_of=8,
+        pass_attention_mask=not args.no_attention_mask,
+    )
+    lineage = Lineage(aux_layer_ids=aux_layer_ids, max_length=args.max_length, code_version="bench")
+    samples = make_samples(args.tokens, args.min_length, args.max_length, config.vocab_size, seed=0)
+    units = plan_units(samples, args.unit_tokens, 1 << 30)
+    warmup = plan_units(make_samples(args.token_budget * 2, args.min_length, args.max_length, config.vocab_size, seed=1), args.unit_tokens, 1 << 30)
+    worker = ExtractionWorker(spec, model=model)
+    try:
+        bare_forward_seconds(model, warmup, spec, device)
+        warm_spec_units = [type(u)(index=900000 + u.index, rows=u.rows) for u in warmup]
+        extraction_seconds(worker, warm_spec_units, spec, lineage)
+        bare_runs, extract_runs, results = [], [], []
+        for _ in range(args.repeats):
+            bare_runs.append(bare_forward_seconds(model, units, spec, device))
+            shutil.rmtree(spec.store, ignore_errors=True)
+            seconds, results = extraction_seconds(worker, units, spec, lineage)
+            extract_runs.append(seconds)
+        num_tokens = sum(u.num_tokens for u in units)
+        batches = [b for u in units for b in plan_batches([len(r.input_ids) for r in u.rows], spec.token_budget, pad_to_multiple_of=8)]
+        store_bytes = sum(r.record.num_bytes for r in results)
+        bare_s, extract_s = statistics.median(bare_runs), statistics.median(extract_runs)
+        row = {
+            "model": name,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "dtype": args.dtype,
+            "codec": args.codec,
+            "num_layers": layers,
+            "hidden_size": hidden,
+            "aux_layer_ids": aux_layer_ids,
+            "num_tokens": num_tokens,
+            "num_units": len(units),
+            "num_batches": len(batches),
+            "token_budget": args.token_budget,
+            "padding_waste": padding_waste(batches),
+            "bare_seconds": bare_runs,
+            "extract_seconds": extract_runs,
+            "bare_tokens_per_s": num_tokens / bare_s,
+            "extract_tokens_per_s": num_tokens / extract_s,
+            "ratio": bare_s / extract_s,
+            "store_bytes_per_token": store_bytes / num_tokens,
+            "feature_bytes_per_token": sum(f.raw_bytes_per_token for f in features),
+            "write_gb_per_s": store_bytes / extract_s / 1e9,
+            "writer_busy_fraction": sum(r.write_seconds for r in results) / extract_s,
+        }
+    finally:
+        worker.close()
+        shutil.rmtree(store_root, ignore_errors=True)
+        del model, worker
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| model | device | tokens | padding | bare forward tok/s | extraction tok/s | extraction / bare | store B/token | written GB/s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} ({r['dtype']}, {r['codec']}) | {r['device']} | {r['num_tokens']:,} | "
+            f"{100 * r['padding_waste']:.1f}% | {r['bare_tokens_per_s']:,.0f} | {r['extract_tokens_per_s']:,.0f} | "
+            f"{100 * r['ratio']:.1f}% | {r['store_bytes_per_token']:,.0f} | {r['write_gb_per_s']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="reference,qwen3-8b", help="comma list of reference, qwen3-8b, small")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--codec", default="bf16", choices=["bf16", "fp8_e4m3", "float32"])
+    parser.add_argument("--tokens", type=int, default=524288, help="tokens per timed pass")
+    parser.add_argument("--min-length", type=int, default=1024)
+    parser.add_argument("--max-length", type=int, default=2048)
+    parser.add_argument("--token-budget", type=int, default=32768, help="padded tokens per forward")
+    parser.add_argument("--unit-tokens", type=int, default=262144, help="tokens per work unit (shard), as the recipe default")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--no-attention-mask", action="store_true", help="right padding without a mask (exact; see the recipe docs)")
+    parser.add_argument("--store-dir", default=None, help="where the stores go (default: the temp dir); deleted after each model")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    if device.type != "cuda" and "qwen3-8b" in models:
+        parser.error("qwen3-8b needs a CUDA device (16 GB of bf16 weights); use --models small on the CPU")
+    if args.max_length > args.token_budget:
+        parser.error("--token-budget must be >= --max-length")
+    rows = []
+    for name in models:
+        print(f"benchmarking {name} on {device} ...", file=sys.stderr, flush=True)
+        rows.append(bench_model(name, args, device))
+    print(markdown(rows))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "torch": torch.__version__, "results": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
