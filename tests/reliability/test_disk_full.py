@@ -54,6 +54,7 @@ def fatal(url: str) -> list[str]:
     return [str(p) for p in verify_store(StoreLocation(url)) if p.fatal]
 
 
+@pytest.mark.slow
 def test_extraction_on_a_full_disk_fails_clearly_and_a_rerun_completes(small_disk, tmp_path):
     from pipelines.extract import run_extraction
 
