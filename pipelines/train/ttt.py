@@ -10,9 +10,9 @@ Attention at depth i, query at t: the depth-0 keys of positions s <= t of the sa
 decoding, where the context's keys come from target features), plus the keys that position t
 itself produced at depths 1..i (the draft's own drafted chain). With a sliding window W, a key at
 RoPE position p is visible iff ``position_ids[t] + i - p < W``, matching how vLLM windows the
-draft's KV cache by sequence position. This module builds that pattern as an explicit bool mask
-over a KV cache that grows by T keys per depth, and runs the same ``Eagle3Draft.forward`` the
-evaluator uses.
+draft's KV cache by sequence position. The depth-0 part is a [T, T] mask; the own-key part is a
+diagonal, scored as dot products (``Eagle3Draft.forward(..., diagonal_kv=...)``) rather than as
+T x iT masked blocks, which would cost (i+1) times the memory and FLOPs of the depth-0 scores.
 
 Masks and packing: position (t, i) is scored iff token t+2+i lies in t's document
 (``doc_remaining[t] >= 2 + i``), token t+2+i is in the loss mask, and the teacher at t+1+i is
@@ -74,21 +74,18 @@ def ttt_attention_mask(
     depth: int,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """Bool [B, T, (depth + 1) * T]: depth-0 keys (causal, same document, windowed) followed by
-    one diagonal block per depth 1..depth (each position sees only its own drafted keys)."""
-    B, T = doc_ids_BT.shape
-    device = doc_ids_BT.device
-    idx = torch.arange(T, device=device)
+    """Bool [B, T, T]: which depth-0 keys the depth-``depth`` query at t sees (causal, same
+    document, windowed by RoPE distance). The diagonal depth blocks (each position's own drafted
+    keys) are implicit: ``Eagle3Draft.forward(..., diagonal_kv=...)`` scores them as dot products."""
+    T = doc_ids_BT.shape[1]
+    idx = torch.arange(T, device=doc_ids_BT.device)
     base = (idx[None, :, None] >= idx[None, None, :]) & (
         doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :]
     )
     if sliding_window is not None:
         distance = position_ids_BT[:, :, None] + depth - position_ids_BT[:, None, :]
         base = base & (distance < sliding_window)
-    if depth == 0:
-        return base
-    diagonal = torch.eye(T, dtype=torch.bool, device=device).expand(B, T, T)
-    return torch.cat([base, *([diagonal] * depth)], dim=-1)
+    return base
 
 
 def ttt_unroll(
@@ -113,19 +110,23 @@ def ttt_unroll(
     if doc_ids_BT is None:
         doc_ids_BT = torch.zeros_like(input_ids_BT)
     hidden = draft.fuse_aux(aux_BTKH)
-    cache = None
+    base_kv = None  # depth-0 keys: causal over the row, within the document
+    diagonal_kv: list = []  # each position's own keys at depths 1..i-1
     hidden_per_step = []
     for depth in range(ttt_length):
-        mask = ttt_attention_mask(doc_ids_BT, position_ids_BT, depth, window)
         out = draft(
             shift_left(input_ids_BT, 1 + depth),
             hidden,
             position_ids_BT + depth,
-            attention_mask=mask,
-            past_key_values=cache,
+            attention_mask=ttt_attention_mask(doc_ids_BT, position_ids_BT, depth, window),
+            past_key_values=base_kv,
             use_cache=True,
+            diagonal_kv=diagonal_kv if depth > 0 else None,
         )
-        cache = out.past_key_values
+        if depth == 0:
+            base_kv = out.past_key_values
+        else:
+            diagonal_kv.append(out.past_key_values)
         hidden = out.hidden_BTD
         hidden_per_step.append(hidden)
     return hidden_per_step
