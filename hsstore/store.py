@@ -7,6 +7,7 @@ another process (it re-opens its filesystem there), which is what loader workers
 from __future__ import annotations
 
 import bisect
+import hashlib
 import os
 import threading
 from functools import cached_property
@@ -89,19 +90,26 @@ class Store:
     # -- the sample table ---------------------------------------------------------------------
 
     def shard_samples(self, shard_id: str) -> pa.Table:
-        """One shard's sample table (memory-mapped when local)."""
+        """One shard's sample table, checked against the manifest's sha256 on first use."""
         with self._lock:
             table = self._tables.get(shard_id)
         if table is not None:
             return table
         shard = self.shard(shard_id)
         path = f"{shard.path}/{SAMPLES_FILE}"
+        entry = next((f for f in shard.files if f.path == path), None)
         try:
-            if self.location.is_local:
-                source: Any = pa.memory_map(self.location.path(path), "r")
-            else:
-                source = pa.BufferReader(self.location.read_bytes(path))
-            table = pa.ipc.open_file(source).read_all()
+            # The table is small (ids and masks): read it whole and check it against the manifest
+            # before trusting a single offset. Feature chunks carry their own crc32c (zarr checks it).
+            data = self.location.read_bytes(path)
+            if entry is not None and (len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256):
+                raise ShardCorruptError(
+                    f"{self.location.path(path)}: size or sha256 differs from the manifest "
+                    f"(shard {shard_id} is damaged; run hsstore verify)"
+                )
+            table = pa.ipc.open_file(pa.BufferReader(data)).read_all()
+        except ShardCorruptError:
+            raise
         except (OSError, pa.ArrowInvalid) as err:
             raise ShardCorruptError(f"{self.location.path(path)}: cannot read the sample table: {err}") from err
         if table.num_rows != shard.num_samples:

@@ -189,8 +189,12 @@ class ShardWriter:
                     f"sample {sample_id}: feature {name!r} has {values.shape[0]} tokens, input_ids {num_tokens}"
                 )
             encoded.update(codecs.encode(spec, values))
-        for array_name, rows in encoded.items():
-            self._buffers[array_name].append(rows)
+        try:
+            for array_name, rows in encoded.items():
+                self._buffers[array_name].append(rows)
+        except OSError as err:
+            self.abort()  # a half-flushed buffer cannot be resumed; free the space it took
+            raise self._write_error(err) from err
         row = self._rows
         row["sample_id"].append(sample_id)
         row["source_id"].append(source_id)
@@ -216,9 +220,22 @@ class ShardWriter:
             if self.location.is_local:
                 self.location.rename_dir(self._work, self.folder)
             return self._describe()
+        except OSError as err:
+            self.abort()
+            raise self._write_error(err) from err
         except Exception:
             self.abort()
             raise
+
+    def _write_error(self, err: OSError) -> StoreWriteError:
+        if isinstance(err, StoreWriteError):
+            return err
+        where = err.filename or self.location.path(self._work)
+        return StoreWriteError(
+            err.errno,
+            f"shard {self.shard_id}: writing {where} failed ({err.strerror or err}); "
+            "nothing was committed, rerun once the cause is fixed",
+        )
 
     def abort(self) -> None:
         """Remove this attempt's files (best effort; leftovers are garbage the manifest never names)."""
@@ -271,14 +288,20 @@ def _list_array(values: list[np.ndarray], value_type: pa.DataType, dtype: Any) -
 
 
 def _compressors(spec: FeatureSpec, dtype: str) -> Any:
-    from zarr.codecs import BloscCodec, ZstdCodec
+    """Inner-chunk byte codecs: optional compression, then a crc32c of every inner chunk.
 
+    The crc32c is checked by zarr on every read, so a flipped byte is caught where it is read, at
+    ~3 GB/s of CPU and no extra I/O (hashing whole files before use would double cold reads).
+    ``hsstore verify`` still checks every file's sha256."""
+    from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
+
+    checksum = Crc32cCodec()
     if spec.compression == "none":
-        return None
+        return [checksum]
     if spec.compression == "zstd":
-        return [ZstdCodec(level=spec.compression_level)]
+        return [ZstdCodec(level=spec.compression_level), checksum]
     typesize = np.dtype(dtype).itemsize
-    return [BloscCodec(cname="zstd", clevel=spec.compression_level, shuffle="shuffle", typesize=typesize)]
+    return [BloscCodec(cname="zstd", clevel=spec.compression_level, shuffle="shuffle", typesize=typesize), checksum]
 
 
 # -- committing ---------------------------------------------------------------------------------

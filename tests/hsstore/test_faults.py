@@ -152,3 +152,27 @@ def test_garbage_from_a_crashed_writer_is_listed_and_collected(tmp_path):
     assert len(removed) == 1 and removed[0].startswith("shards/crashed.")
     assert verify_store(StoreLocation(url)) == []
     assert hsstore.open_store(url).num_samples == 3
+
+
+def test_reads_refuse_damaged_data_naming_the_file(tmp_path):
+    """A flipped byte is caught by the reader itself, not only by verify: inner chunks carry a
+    crc32c that zarr checks on read, and the sample table is hashed before use."""
+    from hsstore import ShardCorruptError
+
+    url = str(tmp_path / "store")
+    write_store(url, num_samples=6, shard_max_tokens=10_000)  # uncompressed bf16: no decoder to trip
+    store = hsstore.open_store(url)
+    shard = store.shards[0]
+    data_file = next(f for f in shard.files if "/features.zarr/aux_hidden_states/c/" in f.path)
+    path = Path(url) / data_file.path
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(ShardCorruptError, match="aux_hidden_states"):
+        hsstore.open_store(url).read_token_range(shard.shard_id, 0, shard.num_tokens, ["aux_hidden_states"])
+    table = Path(url) / shard.path / "samples.arrow"
+    raw = bytearray(table.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    table.write_bytes(bytes(raw))
+    with pytest.raises(ShardCorruptError, match="samples.arrow: size or sha256 differs"):
+        hsstore.open_store(url).read_sample(0)
