@@ -1,0 +1,37 @@
+"""The README's main command, shortened: extract -> train -> export -> evaluate on the reference target."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.slow
+def test_demo_end_to_end_reaches_acceptance_above_one(tmp_path):
+    workdir = tmp_path / "demo"
+    command = [
+        sys.executable, "-m", "pipelines.cli", "demo",
+        "--workdir", str(workdir),
+        "--records", "40", "--max-length", "384",
+        "--train-steps", "60", "--prompts", "3", "--max-new-tokens", "32",
+        "--executor", "local",
+    ]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "hsstore demo (cpu)" in out.stdout and "acceptance length, chain-5-greedy" in out.stdout
+    results = json.loads((workdir / "demo.json").read_text())
+    assert results["samples"] > 0 and results["tokens"] > 0 and results["bytes_per_token"] > 0
+    for setting in results["settings"]:
+        # Greedy speculative decoding reproduced target-only greedy decoding on every prompt.
+        agreement = setting["greedy_agreement"]
+        assert agreement["identical"] == agreement["num_prompts"] == 3 and agreement["diverged"] == []
+    best = max(s["acceptance_length"] for s in results["settings"])
+    assert best > 1.0, results["settings"]
+    for path in results["artifacts"].values():
+        assert Path(path).exists(), path
+    # The printed acceptance length is the one in the results.
+    assert f"{results['settings'][0]['acceptance_length']:.2f}" in out.stdout
