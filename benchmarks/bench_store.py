@@ -31,9 +31,11 @@ import os
 import platform
 import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -608,7 +610,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes, 2 repeats (a couple of minutes)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
-    parser.add_argument("--workdir", type=Path, default=Path("/tmp/hsstore-bench"), help="where layouts are written (removed at the end)")
+    parser.add_argument("--workdir", type=Path, help="where layouts are written (default: a new /tmp/hsstore-bench-*; removed at the end)")
     parser.add_argument("--keep", action="store_true", help="keep the written layouts")
     parser.add_argument("--hidden", default="4096,384", help="comma-separated hidden sizes")
     parser.add_argument("--gib", type=float, help="bf16 GiB of features per layout (default: 1.5 at H=4096, 0.5 at H=384, else 0.25)")
@@ -649,7 +651,9 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
         baseline_threads=args.baseline_threads, shuffle_window=args.shuffle_window,
         merge_gap_tokens=args.merge_gap_tokens, chunk_mib=args.chunk_mib, chunk_tokens=parse_chunk_tokens(args.chunk_tokens, hidden_sizes), shard_chunks=args.shard_chunks,
         compression_level=args.compression_level, shard_max_tokens=args.shard_max_tokens,
-        cold=args.cold, bits_only=not args.no_bits_only, workdir=args.workdir, seed=args.seed,
+        cold=args.cold, bits_only=not args.no_bits_only, seed=args.seed,
+        # A fresh folder per run: two runs sharing one would delete each other's layouts.
+        workdir=args.workdir or Path(tempfile.mkdtemp(prefix="hsstore-bench-")),
     )
     return settings, args
 
@@ -693,5 +697,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # SIGTERM (a killed run) still removes what the run wrote: the layouts are GBs.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with contextlib.suppress(KeyboardInterrupt):
         sys.exit(main())
