@@ -154,7 +154,7 @@ def run_extraction(
     # Every unit is committed now, so any other shard folder is a dead attempt (a killed worker
     # or driver, a retried unit): remove it, so that a finished run leaves a store that verifies
     # without findings.
-    removed = collect_garbage(location, min_age_s=0.0)
+    removed = collect_garbage(location, min_age_s=0.0) + remove_dead_temp_files(location)
     if removed:
         logger.info(
             "removed %d dead shard attempt(s) left by earlier crashes or retries", len(removed)
@@ -198,26 +198,56 @@ def _run_units(
     start = time.perf_counter()
     units_done = summary.num_units_skipped
 
+    # Tokens the bar has shown but no committed unit holds yet (per-batch progress, in process).
+    shown_uncommitted = 0
+
+    def on_batch(num_samples: int, num_tokens: int) -> None:
+        nonlocal shown_uncommitted
+        shown_uncommitted += num_tokens
+        bar.update(num_tokens)
+
     def on_result(result: UnitResult) -> None:
-        nonlocal units_done
+        nonlocal units_done, shown_uncommitted
         commit_shards(location, [result.record], features=features, lineage=lineage)
         units_done += 1
         summary.num_samples_written += result.num_samples
         summary.num_tokens_written += result.num_tokens
         summary.num_padded_tokens += result.num_padded_tokens
-        elapsed = time.perf_counter() - start
-        bar.update(result.num_tokens)
+        already_shown = min(shown_uncommitted, result.num_tokens)
+        shown_uncommitted -= already_shown
+        bar.update(result.num_tokens - already_shown)
         bar.set_postfix(
             samples=summary.num_samples_written,
             units=f"{units_done}/{summary.num_units}",
-            tok_s=f"{summary.num_tokens_written / max(elapsed, 1e-9):,.0f}",
         )
         if on_commit is not None:
             on_commit(result, executor)
 
     try:
-        executor.run(todo, on_result)
+        executor.run(todo, on_result, on_batch)
     finally:
         summary.extract_seconds = time.perf_counter() - start
         bar.close()
         executor.close()
+
+
+def remove_dead_temp_files(location: StoreLocation) -> list[str]:
+    """Temp files of atomic writes that a killed process never renamed: the manifest's (at the
+    top level) and the rejects file's. Called only when every unit is committed, so no commit of
+    this extraction is in flight; returns what was removed."""
+    from hsstore.manifest import MANIFEST_NAME
+
+    removed = []
+    for folder in ("", "rejects"):
+        if folder and not location.exists(folder):
+            continue
+        for entry in location.fs.ls(location.path(folder), detail=False):
+            name = str(entry).rstrip("/").rsplit("/", 1)[-1]
+            is_temp = name.endswith(".tmp") and name.startswith(
+                f".{MANIFEST_NAME}." if not folder else "."
+            )
+            if is_temp:
+                relative = f"{folder}/{name}" if folder else name
+                location.fs.rm(location.path(relative))
+                removed.append(relative)
+    return removed

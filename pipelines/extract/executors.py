@@ -37,15 +37,22 @@ class LocalExecutor:
     def __init__(self, spec: WorkerSpec, worker: ExtractionWorker | None = None):
         self.worker = worker if worker is not None else ExtractionWorker(spec)
 
-    def run(self, units: Sequence[WorkUnit], on_result: ResultCallback) -> None:
-        """Two units in flight: one computing, the previous one finishing its shard."""
+    def run(
+        self,
+        units: Sequence[WorkUnit],
+        on_result: ResultCallback,
+        on_batch: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """Two units in flight: one computing, the previous one finishing its shard.
+
+        ``on_batch(num_samples, num_tokens)`` reports each batch (from a worker thread)."""
         from concurrent.futures import ThreadPoolExecutor
 
         in_flight: deque[Any] = deque()
         with ThreadPoolExecutor(max_workers=UNITS_IN_FLIGHT, thread_name_prefix="unit") as pool:
             try:
                 for unit in units:
-                    in_flight.append(pool.submit(self.worker.run_unit, unit))
+                    in_flight.append(pool.submit(self.worker.run_unit, unit, on_batch))
                     if len(in_flight) >= UNITS_IN_FLIGHT:
                         on_result(in_flight.popleft().result())
                 while in_flight:
@@ -112,7 +119,14 @@ class RayExecutor:
         self.pids: list[int] = ray.get([actor.pid.remote() for actor in self.actors])
         logger.info("started %d extraction actors (%s GPU each)", num_workers, num_gpus)
 
-    def run(self, units: Sequence[WorkUnit], on_result: ResultCallback) -> None:
+    def run(
+        self,
+        units: Sequence[WorkUnit],
+        on_result: ResultCallback,
+        on_batch: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """Hand out units, ``on_result`` as each comes back. Progress is per unit: ``on_batch``
+        is accepted for symmetry with LocalExecutor and not called (actors report per unit)."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,12 +148,15 @@ class ExtractionWorker:
             pass_attention_mask=spec.pass_attention_mask,
         )
 
-    def run_unit(self, unit: WorkUnit) -> UnitResult:
+    def run_unit(
+        self, unit: WorkUnit, on_batch: Callable[[int, int], None] | None = None
+    ) -> UnitResult:
         """Run the target over a unit and write its shard (not committed: the driver does that).
 
         Thread-safe, and meant to be called from two threads: the forwards run under a lock, one
         unit at a time, but finishing a shard (last flushes, sample table, checksumming every
         file: seconds for GBs) happens outside it, so the next unit's forwards overlap it.
+        ``on_batch(num_samples, num_tokens)`` is called after each batch (progress bars).
         """
         start = time.perf_counter()
         token_ids = [row.input_ids for row in unit.rows]
@@ -184,6 +188,8 @@ class ExtractionWorker:
                         _to_device(valid_index_N, self.device),
                     )
                     sink.submit([unit.rows[i] for i in batch.indices], features)
+                    if on_batch is not None:
+                        on_batch(len(batch.indices), batch.num_tokens)
             except BaseException:
                 sink.abort()
                 raise
