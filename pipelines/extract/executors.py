@@ -88,7 +88,13 @@ class RayExecutor:
     """
 
     def __init__(self, spec: WorkerSpec, settings: RaySection):
-        import ray
+        try:
+            import ray
+        except ImportError as err:
+            raise ExtractionError(
+                "executor: ray, but Ray is not installed here; install it (pip install ray) or "
+                "run in process with --set executor=local"
+            ) from err
 
         self.settings = settings
         self._started_ray = False
