@@ -76,7 +76,7 @@ class HiddenStateCapture:
     Returned tensors stay on the model's device: ``aux_hidden_states`` ``[N, K, H]``,
     ``final_hidden_state`` ``[N, H]``, and with ``topk_k``: ``topk_logits`` ``[N, k]`` (raw logits,
     float32) and ``topk_ids`` ``[N, k]`` (int32); ``N`` is the batch's real token count, rows in
-    order. Hooks are registered for the capture's lifetime; call :meth:`close` (or use ``with``).
+    order. Hooks are attached for each call only.
     """
 
     def __init__(
@@ -110,6 +110,10 @@ class HiddenStateCapture:
         self.softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
         self._captured: dict[int | str, torch.Tensor] = {}
         self._handles: list[Any] = []
+
+    def _attach(self) -> None:
+        """Hooks live only for the duration of a call: between calls the model is untouched (a
+        bare forward of the same model, as the benchmark runs, pays nothing and keeps nothing)."""
         for layer_id in sorted(set(self.aux_layer_ids)):
             if layer_id < self.num_layers:
                 handle = self.parts.layers[layer_id].register_forward_pre_hook(
@@ -129,9 +133,11 @@ class HiddenStateCapture:
         self._captured["final"] = output[0] if isinstance(output, tuple) else output
 
     def close(self) -> None:
+        """Remove any hooks (only left attached if a call was interrupted)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._captured.clear()
 
     def __enter__(self) -> HiddenStateCapture:
         return self
@@ -152,9 +158,9 @@ class HiddenStateCapture:
         device. Give it when the mask lives on the host: gathering by a boolean device mask must
         ask the GPU how many tokens it selects, a sync that stalls the CPU once per batch.
         """
-        self._captured.clear()
         if valid_index_N is None:
             valid_index_N = attention_mask_BT.reshape(-1).nonzero().squeeze(-1)
+        self._attach()
         try:
             self.parts.base(
                 input_ids=input_ids_BT,
@@ -180,7 +186,7 @@ class HiddenStateCapture:
                 features[TOPK_LOGITS_FEATURE], features[TOPK_IDS_FEATURE] = self._topk(final_NH)
             return features
         finally:
-            self._captured.clear()
+            self.close()
 
     def _topk(self, final_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k logits over the full vocabulary, a chunk of tokens at a time (bounded memory)."""

@@ -139,3 +139,12 @@ def test_out_of_range_layer_and_unsupported_model(tiny_qwen3: Path) -> None:
         HiddenStateCapture(model, [0, 5])
     with pytest.raises(UnsupportedModelError, match="cannot find decoder layers"):
         find_decoder_parts(torch.nn.Linear(2, 2))
+
+
+def test_hooks_live_only_during_a_call(tiny_qwen3: Path) -> None:
+    """Between calls the model is untouched: a bare forward keeps no captured tensors."""
+    model = load_target(str(tiny_qwen3), dtype="float32")
+    capture = HiddenStateCapture(model, [1, 2])
+    capture(torch.ones(1, 4, dtype=torch.int64), torch.ones(1, 4, dtype=torch.int64))
+    hooked = [name for name, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
+    assert hooked == [] and capture._captured == {}
