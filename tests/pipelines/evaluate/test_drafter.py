@@ -130,3 +130,36 @@ def test_misfit_drafts_are_refused(
     draft = Eagle3Draft(config.model_copy(update=overrides))
     with pytest.raises(DraftMismatchError, match=message):
         TreeDrafter(draft, reference_sdpa)
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_chain_drafting_equals_the_trainers_ttt_unroll(
+    window: int | None, reference_sdpa: TargetModel, prompt_ids: list[list[int]]
+) -> None:
+    """Decoding sees exactly what training taught: the drafter's chain scores equal the TTT
+    unroll (pipelines.train.ttt, written independently) over the sequence the chain spells out."""
+    from pipelines.train.ttt import ttt_unroll
+
+    target = reference_sdpa
+    draft = random_draft(target, seed=8, sliding_window=window)
+    prompt, root = prompt_ids[4][:30], 123
+    drafter = TreeDrafter(draft, target)
+    target.reset()
+    drafter.extend(target.forward(torch.tensor(prompt)).aux_QKH, torch.tensor(prompt[1:] + [root]))
+    chain = drafter.propose(top_k=1, depth=5, total_draft_tokens=5)
+    assert chain.depths == [1, 2, 3, 4, 5]
+    sequence = prompt + [root] + chain.tokens
+    with torch.no_grad():
+        out = target.model(input_ids=torch.tensor([sequence]), output_hidden_states=True)
+        aux = torch.stack([out.hidden_states[i] for i in target.aux_layer_ids], dim=2)
+        hidden = ttt_unroll(
+            draft, aux, torch.tensor([sequence]), torch.arange(len(sequence))[None], ttt_length=5
+        )
+    t = len(prompt) - 1  # the last step-0 position: its depth-i output predicts chain token i+1
+    cumulative = 0.0
+    for depth, token in enumerate(chain.tokens):
+        with torch.no_grad():
+            logp = torch.log_softmax(draft.compute_logits(hidden[depth][0, t]).float(), -1)
+        assert int(logp.argmax()) == token
+        cumulative += float(logp[token])
+        assert chain.scores[depth] == pytest.approx(cumulative, abs=1e-4)
