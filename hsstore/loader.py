@@ -111,7 +111,8 @@ class HostBatch:
 
     @property
     def num_padding_tokens(self) -> int:
-        return int(self.input_ids.size) - self.num_real_tokens
+        rows, tokens = self.input_ids.shape  # numpy or (from a DataLoader worker) torch
+        return int(rows * tokens) - self.num_real_tokens
 
 
 @dataclass
