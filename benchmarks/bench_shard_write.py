@@ -1,0 +1,93 @@
+"""ShardWriter throughput: how fast one shard of bf16 features reaches the disk, by write threads.
+
+Extraction on a GPU produces ~1 GB/s of bf16 features for an 8B target (DESIGN.md); zarr-python
+encodes and writes one Zarr shard file at ~0.3 GB/s per thread, so ``ShardWriter`` writes whole
+Zarr shard files from a thread pool. This measures GB/s (checksums included) against a plain
+``numpy.tofile`` of the same bytes, the disk's ceiling for this process.
+
+    python benchmarks/bench_shard_write.py --hidden 4096 --tokens 65536 --threads 1 4 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from hsstore import FeatureSpec, ShardWriter  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--tokens", type=int, default=65536, help="tokens per shard")
+    parser.add_argument("--sample-tokens", type=int, default=1024)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    rng = np.random.default_rng(0)
+    H, T = args.hidden, args.sample_tokens
+    aux = rng.integers(0, 1 << 16, (T, 3, H), dtype=np.uint16)
+    final = rng.integers(0, 1 << 16, (T, H), dtype=np.uint16)
+    # bf16 bit patterns as float32 values: the bf16 codec keeps them exactly.
+    aux_f = (aux.astype(np.uint32) << 16).view(np.float32)
+    final_f = (final.astype(np.uint32) << 16).view(np.float32)
+    aux_f[~np.isfinite(aux_f)] = 0
+    final_f[~np.isfinite(final_f)] = 0
+    specs = [FeatureSpec(name="aux_hidden_states", shape=(3, H)), FeatureSpec(name="final_hidden_state", shape=(H,))]
+    root = Path(args.dir or tempfile.mkdtemp(prefix="bench-shard-write-"))
+    num_samples = args.tokens // T
+    rows = []
+
+    raw_bytes = num_samples * (aux.nbytes + final.nbytes)
+    times = []
+    for _ in range(args.repeats):
+        target = root / "raw.bin"
+        started = time.perf_counter()
+        with open(target, "wb") as handle:
+            for _ in range(num_samples):
+                aux.tofile(handle)
+                final.tofile(handle)
+        times.append(time.perf_counter() - started)
+        target.unlink()
+    rows.append({"writer": "numpy.tofile (ceiling)", "threads": 1, "gb_per_s": raw_bytes / statistics.median(times) / 1e9})
+
+    for threads in args.threads:
+        times = []
+        for repeat in range(args.repeats):
+            url = str(root / f"store-{threads}-{repeat}")
+            started = time.perf_counter()
+            writer = ShardWriter(url, "u000000", specs, write_threads=threads)
+            for i in range(num_samples):
+                writer.add_sample(sample_id=f"s{i}", source_id="x", input_ids=np.zeros(T, np.int32),
+                                  loss_mask=np.ones(T, np.uint8),
+                                  features={"aux_hidden_states": aux_f, "final_hidden_state": final_f})
+            record = writer.finish()
+            times.append(time.perf_counter() - started)
+            shutil.rmtree(url)
+        rows.append({"writer": "ShardWriter (bf16, crc32c, sha256)", "threads": threads,
+                     "gb_per_s": record.num_bytes / statistics.median(times) / 1e9,
+                     "tokens_per_s": args.tokens / statistics.median(times)})
+    shutil.rmtree(root, ignore_errors=True)
+    print("| writer | threads | GB/s | tokens/s |\n|---|---:|---:|---:|")
+    for row in rows:
+        print(f"| {row['writer']} | {row['threads']} | {row['gb_per_s']:.2f} | {row.get('tokens_per_s', 0):,.0f} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"hidden": H, "tokens": args.tokens, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

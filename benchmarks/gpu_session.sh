@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The lent-H200 benchmark session, in stages (each fits one 10-minute device call).
+#   bash benchmarks/gpu_session.sh setup-and-extract   # reference store + trained draft + bench_extract
+#   bash benchmarks/gpu_session.sh train-and-evaluate  # bench_train + bench_evaluate + GPU tests
+# Expects wheels for the packages the GPU image lacks in .whl/ (zarr, numcodecs, pydantic, ...)
+# and the training data gzipped at .bench/draft_train.jsonl.gz (../shared does not travel).
+# Ray is not on the GPU image: extraction runs the same worker code in process (executor=local).
+set -uo pipefail
+stage=${1:?stage}
+OUT=${OUT:-/tmp/hsstore-gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+WORK=/tmp/hsstore-work
+mkdir -p "$WORK"
+hs() { python3 -m pipelines.cli "$@"; }
+
+case "$stage" in
+setup-and-extract)
+  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c 'import torch, transformers, sys; print(sys.version.split()[0], torch.__version__, transformers.__version__)'; nproc; } | tee "$OUT/machine.txt"
+  gunzip -c .bench/draft_train.jsonl.gz > "$WORK/draft_train.jsonl"
+  time hs extract recipes/reference/extract.yaml --set "data=[$WORK/draft_train.jsonl]" --set executor=local \
+      --set "store=$WORK/ref-store" --set model.device=cuda 2>&1 | tail -n 14 | tee "$OUT/extract.txt"
+  time hs train recipes/reference/train-eagle3.yaml --set "store=$WORK/ref-store" --set "output_dir=$WORK/ref-eagle3" \
+      --set device=cuda --set log_every=50 2>&1 | grep -v "^train draft" | tail -n 6 | tee "$OUT/train.txt"
+  hs export "$WORK/ref-eagle3/checkpoints/final" --format eagle3 --out "$OUT/export-eagle3" 2>&1 | tail -n 2
+  tail -n 3 "$WORK/ref-eagle3/metrics.jsonl" > "$OUT/train_metrics_tail.jsonl"
+  python3 benchmarks/bench_extract.py --models reference,qwen3-8b --out "$OUT/bench_extract.json" 2>&1 | tail -n 30
+  ;;
+train-and-evaluate)
+  python3 benchmarks/bench_train.py --device cuda --out "$OUT/bench_train.json" 2>&1 | tail -n 30
+  ;;
+evaluate)
+  python3 benchmarks/bench_evaluate.py --draft "${DRAFT:?}" --device cuda --prompts "${PROMPTS:-examples/data/eval_prompts.jsonl}" \
+      ${EVAL_ARGS:-} --out "$OUT/bench_evaluate_h200.json" 2>&1 | tail -n 30
+  python3 -m pytest -q -m gpu tests 2>&1 | tail -n 5
+  ;;
+*) echo "unknown stage $stage"; exit 2 ;;
+esac
