@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The lent-H200 benchmark session, in stages (each fits one 10-minute device call).
 #   bash benchmarks/gpu_session.sh setup-and-extract   # reference store + trained draft + bench_extract
-#   bash benchmarks/gpu_session.sh train-and-evaluate  # bench_train + bench_evaluate + GPU tests
+#   bash benchmarks/gpu_session.sh write-extract-train # shard writes, bench_extract, bench_train
+#   DRAFT=... bash benchmarks/gpu_session.sh evaluate  # bench_evaluate + GPU tests
 # Expects wheels for the packages the GPU image lacks in .whl/ (zarr, numcodecs, pydantic, ...)
 # and the training data gzipped at .bench/draft_train.jsonl.gz (../shared does not travel).
 # Ray is not on the GPU image: extraction runs the same worker code in process (executor=local).
@@ -28,7 +29,9 @@ setup-and-extract)
   tail -n 3 "$WORK/ref-eagle3/metrics.jsonl" > "$OUT/train_metrics_tail.jsonl"
   python3 benchmarks/bench_extract.py --models reference,qwen3-8b --out "$OUT/bench_extract.json" 2>&1 | tail -n 30
   ;;
-train-and-evaluate)
+write-extract-train)
+  python3 benchmarks/bench_shard_write.py --hidden 4096 --tokens 65536 --threads 1 4 8 --repeats 2 --dir "$WORK/write" --out "$OUT/bench_shard_write.json" 2>&1 | tail -n 8
+  python3 benchmarks/bench_extract.py --models reference,qwen3-8b --store-dir "$WORK/extract" --out "$OUT/bench_extract.json" 2>&1 | tail -n 6
   python3 benchmarks/bench_train.py --device cuda --out "$OUT/bench_train.json" 2>&1 | tail -n 30
   ;;
 evaluate)
