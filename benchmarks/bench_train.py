@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -46,7 +47,7 @@ from hsstore.loader import DeviceBatch, StreamingLoader, WaitTimer, to_device  #
 from pipelines.train.config import TrainRecipe  # noqa: E402
 
 REFERENCE_TARGET = REPO / "examples" / "reference-target"
-TRAIN_DATA = REPO.parent / "shared" / "data" / "draft_train.jsonl"
+TRAIN_DATA = Path(os.environ.get("HSSTORE_TRAIN_DATA", REPO.parent / "shared" / "data" / "draft_train.jsonl"))
 QWEN3_8B = dict(  # Qwen/Qwen3-8B config.json
     vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,

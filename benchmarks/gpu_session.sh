@@ -30,6 +30,9 @@ setup-and-extract)
   python3 benchmarks/bench_extract.py --models reference,qwen3-8b --out "$OUT/bench_extract.json" 2>&1 | tail -n 30
   ;;
 write-extract-train)
+  mkdir -p "$WORK/write" "$WORK/extract"
+  [ -f "$WORK/draft_train.jsonl" ] || gunzip -c .bench/draft_train.jsonl.gz > "$WORK/draft_train.jsonl"
+  export HSSTORE_TRAIN_DATA="$WORK/draft_train.jsonl"
   python3 benchmarks/bench_shard_write.py --hidden 4096 --tokens 65536 --threads 1 4 8 --repeats 2 --dir "$WORK/write" --out "$OUT/bench_shard_write.json" 2>&1 | tail -n 8
   python3 benchmarks/bench_extract.py --models reference,qwen3-8b --store-dir "$WORK/extract" --out "$OUT/bench_extract.json" 2>&1 | tail -n 6
   python3 benchmarks/bench_train.py --device cuda --out "$OUT/bench_train.json" 2>&1 | tail -n 30
