@@ -584,7 +584,11 @@ def machine_info() -> dict[str, Any]:
     mem = next((line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")), "?")
     import zarr
 
+    repo = Path(__file__).resolve().parents[1]
+    git = subprocess.run(["git", "-C", str(repo), "log", "-1", "--format=%h %cI", "--", "hsstore"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--", "hsstore"], capture_output=True, text=True).stdout.strip()
     return {
+        "hsstore_commit": f"{git}{' (hsstore/ has uncommitted changes)' if dirty else ''}",
         "cpu": cpu,
         "nproc": os.cpu_count(),
         "mem_total_kib": int(mem) if mem != "?" else None,
@@ -689,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
     for result in results:
         print()
         print(markdown_table(result))
-    print(f"\ntotal {report['wall_s']:.0f}s")
+    print(f"\ntotal {report['wall_s']:.0f}s; hsstore {report['machine']['hsstore_commit']}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1, default=str))
