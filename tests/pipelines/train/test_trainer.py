@@ -178,10 +178,22 @@ def test_cli_runs_the_shipped_recipe_and_resumes(
     printed = capsys.readouterr().out
     final = tmp_path / "cli" / "checkpoints" / "final"
     assert f"final checkpoint: {final}" in printed
-    # Rerun with a longer schedule: it resumes from final (step 2) and takes one more step.
-    assert main([*common, "--set", "max_steps=3"]) == 0
+    # Rerun with a longer schedule: it resumes from final (step 2) and takes one more step, this
+    # time through a spawned DataLoader worker (the loader state is the same either way).
+    assert main([*common, "--set", "max_steps=3", "--set", "loader.num_workers=1"]) == 0
     assert [m["step"] for m in read_metrics(tmp_path / "cli")] == [1, 2, 3]
     assert json.loads((final / "trainer_state.json").read_text())["step"] == 3
     # A contradiction on the command line is refused with the dotted key, before any work.
     assert main([*common, "--set", "model=eagle4", "--set", "draft.sliding_window=3"]) == 1
     assert "draft.sliding_window=3 is smaller than ttt_length=7" in capsys.readouterr().err
+
+
+def test_init_from_a_pretrained_draft(stage1: tuple[Path, dict[str, Any]], reference_store: str, tmp_path: Path) -> None:
+    """``init_from`` starts from the stage-1 weights: its first step scores like stage 1's last."""
+    stage1_dir, summary = stage1
+    recipe = small_recipe(reference_store, tmp_path / "init", max_steps=1, init_from=str(Path(summary["checkpoint"]) / "draft"))
+    run_training(recipe)
+    first = read_metrics(tmp_path / "init")[0]
+    stage1_metrics = read_metrics(stage1_dir)
+    assert first["loss"] < stage1_metrics[0]["loss"] - 2.0
+    assert first["acc"][0] > stage1_metrics[0]["acc"][0] + 0.05
