@@ -497,7 +497,9 @@ def _summary(recipe: TrainRecipe, step: int, total_steps: int, totals: dict[str,
              loader: StreamingLoader, dist_state: Distributed, interrupted: bool, final_path: Path,
              loop_s: float) -> dict[str, Any]:
     plan = loader.plan(0)
-    tokens = totals["tokens"] * dist_state.world_size  # every rank sees as many steps; tokens vary a little
+    # Over all ranks: tokens add up; step time is per rank, so tokens/s uses the mean rank time.
+    reduced = all_reduce_(torch.tensor([totals["tokens"], totals["wait_s"], totals["step_s"]], dtype=torch.float64), dist_state)
+    tokens, wait_s, step_s = int(reduced[0]), float(reduced[1]), float(reduced[2])
     return {
         "stage": recipe.stage,
         "model": recipe.model,
@@ -506,8 +508,8 @@ def _summary(recipe: TrainRecipe, step: int, total_steps: int, totals: dict[str,
         "interrupted": interrupted,
         "world_size": dist_state.world_size,
         "tokens": tokens,
-        "tokens_per_s": tokens / max(totals["step_s"], 1e-9),
-        "data_wait_frac": totals["wait_s"] / max(totals["step_s"], 1e-9),
+        "tokens_per_s": tokens / max(step_s / dist_state.world_size, 1e-9),
+        "data_wait_frac": wait_s / max(step_s, 1e-9),
         "padding_frac": plan.padding_fraction,
         "rows_dropped_per_epoch": plan.num_rows_dropped,
         "samples_truncated_per_epoch": plan.num_samples_truncated,

@@ -141,6 +141,7 @@ def test_ddp_two_gloo_processes_take_equal_steps(reference_store: str, tmp_path:
     assert summaries[0]["world_size"] == 2
     metrics = read_metrics(tmp_path / "ddp")  # rank 0 writes, numbers reduced over both ranks
     assert len(metrics) == per_rank
+    assert summaries[0]["tokens"] == summaries[1]["tokens"] == sum(m["tokens"] for m in metrics)
     assert (tmp_path / "ddp" / "checkpoints" / "final" / "draft" / "config.json").is_file()
 
 
