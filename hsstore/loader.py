@@ -130,8 +130,13 @@ class _Catalog:
 
 
 def _build_catalog(store: Store) -> _Catalog:
-    shard_ids, counts = [], []
-    shard_of, row_of, offsets, lengths, names = [], [], [], [], []
+    shard_ids: list[str] = []
+    counts: list[int] = []
+    shard_of: list[np.ndarray] = []
+    row_of: list[np.ndarray] = []
+    offsets: list[np.ndarray] = []
+    lengths: list[np.ndarray] = []
+    names: list[str] = []
     for index, shard in enumerate(store.shards):
         table = store.shard_samples(shard.shard_id)
         shard_ids.append(shard.shard_id)
