@@ -146,21 +146,26 @@ def test_ddp_two_gloo_processes_take_equal_steps(reference_store: str, tmp_path:
 
 
 def test_candidate_head_recall_and_kl(stage1: tuple[Path, dict[str, Any]], reference_store: str, tmp_path: Path) -> None:
-    stage1_dir, summary = stage1
+    """A rank-4 head (1024-id vocabulary, H=384): recall@8 rises from its SVD start to >= 0.95."""
+    _, summary = stage1
     recipe = small_recipe(
         reference_store, tmp_path / "head", max_steps=16, model="eagle4", stage="candidate_head",
-        candidate_head={"draft_checkpoint": summary["checkpoint"], "rank": 32, "num_candidates": 32},
-        optimizer={"lr": 2e-3}, schedule={"warmup_steps": 2},
+        candidate_head={"draft_checkpoint": summary["checkpoint"], "rank": 4, "num_candidates": 8},
+        optimizer={"lr": 5e-3}, schedule={"warmup_steps": 2},
     )
     result = run_training(recipe)
     metrics = read_metrics(tmp_path / "head")
     first, last = metrics[:3], metrics[-3:]
-    assert mean([mean(m["kl"]) for m in last]) < mean([mean(m["kl"]) for m in first])
-    assert min(result["final_acc"]) >= 0.95, result["final_acc"]  # recall@32 at every depth
+    assert mean([mean(m["kl"]) for m in last]) < 0.6 * mean([mean(m["kl"]) for m in first])
+    # Training, not the SVD start, brings recall up (0.94 at step 1 when written, 0.99 at the end).
+    assert mean(metrics[0]["recall"]) < mean([mean(m["recall"]) for m in last]) - 0.02
+    for depth in range(7):  # recall@8 at every depth, over the last three steps
+        assert mean([m["recall"][depth] for m in last]) >= 0.95, (depth, last)
+    assert result["final_acc"] == metrics[-1]["recall"]
     from pipelines.models.checkpoint import load_draft
 
     draft = load_draft(result["checkpoint"])
-    assert draft.config.candidate_rank == 32 and draft.config.num_candidates == 32
+    assert draft.config.candidate_rank == 4 and draft.config.num_candidates == 8
     assert draft.candidate_head is not None
 
 
