@@ -506,6 +506,7 @@ def run_hidden(hidden: int, settings: Settings, cold_method: str, log: Any) -> d
         for mode in ("cold", "warm", "cold_bits", "warm_bits"):
             if r[mode]:
                 row[f"{mode}_tokens_s"] = statistics.median(x["tokens_per_s"] for x in r[mode])
+                row[f"{mode}_tokens_s_range"] = [min(x["tokens_per_s"] for x in r[mode]), max(x["tokens_per_s"] for x in r[mode])]
                 row[f"{mode}_tokens_per_cpu_s"] = statistics.median(x["tokens"] / x["cpu_s"] for x in r[mode])
                 row[f"{mode}_others_cpu_frac"] = statistics.median(x["others_cpu_frac"] for x in r[mode])
         if r["warm"] and "reads" in r["warm"][0]:
@@ -672,6 +673,7 @@ def main(argv: list[str] | None = None) -> int:
     def log(message: str) -> None:
         print(f"[{time.perf_counter() - started:6.1f}s] {message}", flush=True)
 
+    machine = machine_info()  # now: the hsstore commit imported, not one landed during the run
     cold_method = choose_cold_method(settings.cold)
     log(f"cold reads: {cold_method}; settings: {settings}")
     settings.workdir.mkdir(parents=True, exist_ok=True)
@@ -684,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(settings.workdir, ignore_errors=True)
     report = {
         "command": " ".join([sys.executable, *sys.argv]) if argv is None else f"bench_store.py {' '.join(argv)}",
-        "machine": machine_info(),
+        "machine": machine,
         "cold_method": cold_method,
         "settings": {key: str(value) if isinstance(value, Path) else value for key, value in settings.__dict__.items()},
         "wall_s": time.perf_counter() - started,
