@@ -104,14 +104,14 @@ class Store:
             data = self.location.read_bytes(path)
             if entry is not None and (len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256):
                 raise ShardCorruptError(
-                    f"{self.location.path(path)}: size or sha256 differs from the manifest "
-                    f"(shard {shard_id} is damaged; run hsstore verify)"
+                    f"shard {shard_id}: {self.location.path(path)}: size or sha256 differs from the "
+                    "manifest (the shard is damaged; run hsstore verify)"
                 )
             table = pa.ipc.open_file(pa.BufferReader(data)).read_all()
         except ShardCorruptError:
             raise
         except (OSError, pa.ArrowInvalid) as err:
-            raise ShardCorruptError(f"{self.location.path(path)}: cannot read the sample table: {err}") from err
+            raise ShardCorruptError(f"shard {shard_id}: {self.location.path(path)}: cannot read the sample table: {err}") from err
         if table.num_rows != shard.num_samples:
             raise ShardCorruptError(
                 f"{self.location.path(path)}: {table.num_rows} rows, manifest says {shard.num_samples}"
@@ -160,7 +160,7 @@ class Store:
             array = zarr.open_array(zstore, path=array_name, mode="r")
         except Exception as err:
             raise ShardCorruptError(
-                f"{self.location.path(shard.path)}/{FEATURES_DIR}/{array_name}: cannot open: {err}"
+                f"shard {shard.shard_id}: {self.location.path(shard.path)}/{FEATURES_DIR}/{array_name}: cannot open: {err}"
             ) from err
         if array.shape[0] != shard.num_tokens:
             raise ShardCorruptError(
@@ -199,8 +199,9 @@ class Store:
                     raise
                 except Exception as err:
                     raise ShardCorruptError(
-                        f"{self.location.path(shard.path)}/{FEATURES_DIR}/{array_name}: read of tokens "
-                        f"[{start}, {stop}) failed: {err}"
+                        f"shard {shard.shard_id}: {self.location.path(shard.path)}/{FEATURES_DIR}/"
+                        f"{array_name}: read of tokens [{start}, {stop}) failed ({err}); "
+                        "run hsstore verify"
                     ) from err
         return out
 

@@ -114,6 +114,15 @@ def _content_text(content: Any) -> str | None:
     return None
 
 
+def _is_utf8(text: str) -> bool:
+    """JSON escapes can produce lone surrogates (``"\\ud800"``) that no tokenizer accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def parse_record(
     obj: Any, origin: str, default_id: str, *, require_assistant: bool = True
 ) -> Record | Rejection:
@@ -158,6 +167,8 @@ def parse_record(
             )
         if not text.strip():
             return reject(RejectReason.EMPTY, "'text' is empty", source_id)
+        if not _is_utf8(text):
+            return reject(RejectReason.INVALID_UTF8, "'text' holds a lone surrogate (not UTF-8)", source_id)
         return Record(source_id=source_id, origin=origin, text=text)
 
     turns = obj[messages_key]
@@ -201,6 +212,12 @@ def parse_record(
                 f"{messages_key}[{n}].{content_key} must be a string or text parts, found {found}",
                 source_id,
             )
+        if not _is_utf8(text):
+            return reject(
+                RejectReason.INVALID_UTF8,
+                f"{messages_key}[{n}].{content_key} holds a lone surrogate (not UTF-8)",
+                source_id,
+            )
         messages.append({"role": mapped, "content": text})
     if not any(m["content"].strip() for m in messages):
         return reject(RejectReason.EMPTY, f"every turn of '{messages_key}' is empty", source_id)
@@ -234,13 +251,16 @@ def _iter_jsonl(url: str, require_assistant: bool) -> Iterator[Record | Rejectio
                 continue  # blank lines separate nothing in JSONL; they are not records
             try:
                 obj = json.loads(line)
-            except json.JSONDecodeError as err:
+            except (json.JSONDecodeError, RecursionError, ValueError) as err:
+                # RecursionError: absurdly deep nesting; ValueError: integers past Python's digit
+                # limit. Both are bad records, not reasons to stop the job.
+                detail = (
+                    f"{err.msg} at column {err.colno}"
+                    if isinstance(err, json.JSONDecodeError)
+                    else f"{type(err).__name__}: {str(err)[:120]}"
+                )
                 yield Rejection(
-                    RejectReason.NOT_JSON,
-                    f"{origin}: not JSON ({err.msg} at column {err.colno})",
-                    origin,
-                    None,
-                    line[:_EXCERPT_CHARS],
+                    RejectReason.NOT_JSON, f"{origin}: not JSON ({detail})", origin, None, line[:_EXCERPT_CHARS]
                 )
                 continue
             yield parse_record(obj, origin, origin, require_assistant=require_assistant)

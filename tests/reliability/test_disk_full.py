@@ -109,11 +109,6 @@ def test_a_manifest_commit_on_a_full_disk_leaves_the_previous_manifest(small_dis
     assert fatal(url) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug (hsstore/writer.py ShardWriter.add_sample/finish): an OSError from the Zarr or Arrow "
-    "write escapes bare ('[Errno 28] No space left on device'), naming neither the shard nor the store",
-)
 def test_a_shard_write_on_a_full_disk_names_the_shard_and_the_store(small_disk):
     url = str(small_disk.path / "store")
     writer = hsstore.ShardWriter(url, "unit-big", make_specs(hidden=256))
