@@ -561,7 +561,7 @@ def markdown_table(result: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "Per CPU-second of this process (robust to other load) and how the runs went:",
+        "Per CPU-second of this process (less disturbed by other load than wall time, not immune) and how the runs went:",
         "",
         "| layout | write tok/cpu-s | cold tok/cpu-s | warm tok/cpu-s | warm bits-only tok/cpu-s | others' CPU cold / warm | tokens per read | chunk amplification | resident before cold / warm |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
