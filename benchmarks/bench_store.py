@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -87,7 +88,7 @@ class Settings:
     shard_max_tokens: int
     cold: str  # "drop", "fadvise" or "skip"
     bits_only: bool
-    workdir: Path
+    workdir: Path | None  # None: a fresh folder made by main()
     seed: int
 
 
@@ -437,6 +438,7 @@ def run_hidden(hidden: int, settings: Settings, cold_method: str, log: Any) -> d
     num_tokens = sum(len(s.input_ids) for s in samples)
     log(f"H={hidden}: {len(samples)} samples, {num_tokens} tokens, {num_tokens * bf16_bytes_per_token / 1e9:.2f} GB bf16 "
         f"features (generated in {time.perf_counter() - t:.1f}s)")
+    assert settings.workdir is not None, "main() picks the working folder"
     roots = {layout: settings.workdir / f"h{hidden}" / layout.replace(" ", "_").replace("+", "-") for layout in settings.layouts}
     results: dict[str, dict[str, Any]] = {layout: {"write": [], "cold": [], "warm": [], "cold_bits": [], "warm_bits": [], "resident_before_cold": []} for layout in settings.layouts}
 
@@ -656,9 +658,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
         baseline_threads=args.baseline_threads, shuffle_window=args.shuffle_window,
         merge_gap_tokens=args.merge_gap_tokens, chunk_mib=args.chunk_mib, chunk_tokens=parse_chunk_tokens(args.chunk_tokens, hidden_sizes), shard_chunks=args.shard_chunks,
         compression_level=args.compression_level, shard_max_tokens=args.shard_max_tokens,
-        cold=args.cold, bits_only=not args.no_bits_only, seed=args.seed,
-        # A fresh folder per run: two runs sharing one would delete each other's layouts.
-        workdir=args.workdir or Path(tempfile.mkdtemp(prefix="hsstore-bench-")),
+        cold=args.cold, bits_only=not args.no_bits_only, seed=args.seed, workdir=args.workdir,
     )
     return settings, args
 
@@ -673,6 +673,8 @@ def main(argv: list[str] | None = None) -> int:
     def log(message: str) -> None:
         print(f"[{time.perf_counter() - started:6.1f}s] {message}", flush=True)
 
+    if settings.workdir is None:  # a fresh folder per run: two runs sharing one delete each other's layouts
+        settings = dataclasses.replace(settings, workdir=Path(tempfile.mkdtemp(prefix="hsstore-bench-")))
     machine = machine_info()  # now: the hsstore commit imported, not one landed during the run
     cold_method = choose_cold_method(settings.cold)
     log(f"cold reads: {cold_method}; settings: {settings}")
