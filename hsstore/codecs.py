@@ -102,12 +102,14 @@ def _encode_torch(spec: FeatureSpec, tensor: torch.Tensor) -> dict[str, np.ndarr
         return {spec.name: bits.view(np.uint16)}
     if spec.codec == "fp8_e4m3":
         work = tensor.to(torch.float32)
-        if not bool(torch.isfinite(work).all()):
+        amax = work.abs().amax(dim=-1, keepdim=True)
+        # A NaN or infinity anywhere in a row makes its amax non-finite: checking the amax is H
+        # times less work than checking every value (which was a quarter of fp8 write time).
+        if not bool(torch.isfinite(amax).all()):
             raise CodecError(
                 f"feature {spec.name!r}: fp8_e4m3 cannot store NaN or infinity; "
                 "use the bf16 codec for this feature or fix the source values"
             )
-        amax = work.abs().amax(dim=-1, keepdim=True)
         # Clamp at the smallest normal float32 so that tiny rows do not underflow the scale to 0.
         scale = (amax / FP8_E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
         scale = torch.where(amax > 0, scale, torch.ones_like(amax))
@@ -131,6 +133,18 @@ def decode_numpy(spec: FeatureSpec, raw: dict[str, np.ndarray], key: str | None 
         scale = np.asarray(raw[name + SCALE_SUFFIX], dtype=np.float32)
         return FP8_E4M3_VALUES[np.asarray(bits, dtype=np.uint8)] * scale[..., None]
     raise CodecError(f"feature {spec.name!r}: unknown codec {spec.codec!r}")
+
+
+_FP8_TABLE_TORCH: Any = None
+
+
+def _fp8_table_torch() -> torch.Tensor:
+    global _FP8_TABLE_TORCH
+    if _FP8_TABLE_TORCH is None:
+        import torch
+
+        _FP8_TABLE_TORCH = torch.from_numpy(FP8_E4M3_VALUES.copy())
+    return _FP8_TABLE_TORCH
 
 
 def decode_torch(
@@ -161,7 +175,12 @@ def decode_torch(
         scale = raw[name + SCALE_SUFFIX]
         scale_t = scale if _is_torch(scale) else torch.from_numpy(np.ascontiguousarray(scale))
         scale_t = scale_t.to(device, non_blocking=True) if device is not None else scale_t
-        values = bits_t.view(torch.float8_e4m3fn).to(torch.float32) * scale_t.unsqueeze(-1)
+        if bits_t.device.type == "cpu":
+            # torch's CPU float8 -> float32 cast is slow (~0.2 G values/s); a 256-entry table
+            # gives the same values at ~3x less CPU (measured). GPUs cast natively.
+            values = _fp8_table_torch()[bits_t.to(torch.int64)] * scale_t.unsqueeze(-1)
+        else:
+            values = bits_t.view(torch.float8_e4m3fn).to(torch.float32) * scale_t.unsqueeze(-1)
         out = values.to(torch.bfloat16)
     else:
         raise CodecError(f"feature {spec.name!r}: unknown codec {spec.codec!r}")

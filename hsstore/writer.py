@@ -49,6 +49,8 @@ SHARDS_DIR = "shards"
 SAMPLES_FILE = "samples.arrow"
 FEATURES_DIR = "features.zarr"
 LOCK_NAME = "manifest.lock"
+# fp8 scale arrays group this many value chunks (and Zarr shards) into one.
+SCALE_GROUPING = 16
 
 SAMPLE_SCHEMA = pa.schema(
     [
@@ -176,13 +178,17 @@ class ShardWriter:
                 is_scale = array_name != spec.name
                 tail = spec.scale_shape if is_scale else spec.shape
                 dtype = "float32" if is_scale else spec.storage_dtype
-                chunk_tokens = spec.chunk_tokens
+                chunk_tokens, shard_tokens = spec.chunk_tokens, spec.shard_tokens
+                if is_scale:
+                    # Scales are 4 bytes per token and layer: chunked like the values they would be
+                    # KB-sized, doubling the chunks a read touches and the files of an fp8 store.
+                    chunk_tokens, shard_tokens = SCALE_GROUPING * chunk_tokens, SCALE_GROUPING * shard_tokens
                 array = group.create_array(
                     array_name,
                     shape=(0, *tail),
                     dtype=dtype,
                     chunks=(chunk_tokens, *tail),
-                    shards=(spec.shard_tokens, *tail),
+                    shards=(shard_tokens, *tail),
                     compressors=_compressors(spec, dtype),
                     fill_value=0,
                     attributes={"hsstore_feature": spec.name, "logical_dtype": spec.logical_dtype, "codec": spec.codec},
@@ -190,7 +196,7 @@ class ShardWriter:
                     # features are never all zero, and the check cut write speed 4x (measured).
                     config={"write_empty_chunks": True},
                 )
-                self._buffers[array_name] = _ArrayBuffer(array, spec.shard_tokens, self._pool, max_in_flight=threads)
+                self._buffers[array_name] = _ArrayBuffer(array, shard_tokens, self._pool, max_in_flight=threads)
         self._rows: dict[str, list[Any]] = {field.name: [] for field in SAMPLE_SCHEMA}
         self._sample_ids: set[str] = set()
         self.num_samples = 0
