@@ -22,6 +22,7 @@ from hsstore.errors import (
 )
 from hsstore.features import FeatureSpec
 from hsstore.lineage import Lineage, TargetIdentity
+from hsstore.loader import LoaderState, StreamingLoader
 from hsstore.location import StoreLocation
 from hsstore.manifest import FORMAT_VERSION, FileEntry, ShardRecord, StoreManifest, parse_manifest
 from hsstore.store import Store, open_store
@@ -38,6 +39,7 @@ __all__ = [
     "FileEntry",
     "HsstoreError",
     "Lineage",
+    "LoaderState",
     "LineageMismatchError",
     "ManifestError",
     "Problem",
@@ -51,6 +53,7 @@ __all__ = [
     "StoreNotFoundError",
     "StoreWriteError",
     "StoreWriter",
+    "StreamingLoader",
     "TargetIdentity",
     "codecs",
     "commit_shards",
