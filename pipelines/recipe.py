@@ -24,6 +24,19 @@ class RecipeModel(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
 
+def add_recipe_arguments(parser: Any, example_recipe: str, example_overrides: str) -> None:
+    """The positional RECIPE and the repeatable ``--set KEY=VALUE`` every job's subcommand takes."""
+    parser.add_argument("recipe", help=f"YAML recipe (see {example_recipe})")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"override a recipe key, dotted, YAML value ({example_overrides})",
+    )
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Split ``a.b=value`` into its key path and its YAML-parsed value (``[x,y]``, ``3``, ``true``)."""
     if "=" not in text:

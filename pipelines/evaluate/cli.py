@@ -6,6 +6,8 @@ import argparse
 import json
 from typing import Any
 
+from pipelines.recipe import add_recipe_arguments
+
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
@@ -18,15 +20,7 @@ def register(subparsers: Any) -> None:
             "Writes evaluation_results.json and .txt into output_dir."
         ),
     )
-    parser.add_argument("recipe", help="YAML recipe (see recipes/reference/evaluate.yaml)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a recipe key, dotted, YAML value (--set limit=10 --set draft=runs/x/final)",
-    )
+    add_recipe_arguments(parser, "recipes/reference/evaluate.yaml", "--set limit=10 --set draft=runs/x/final")
     parser.add_argument("--json", action="store_true", help="print the results JSON at the end")
     parser.set_defaults(func=run)
 

@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Any
 
+from pipelines.recipe import add_recipe_arguments
+
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
@@ -17,15 +19,7 @@ def register(subparsers: Any) -> None:
             "store. Rerunning the same recipe resumes: committed units are skipped."
         ),
     )
-    parser.add_argument("recipe", help="YAML recipe (see recipes/reference/extract.yaml)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a recipe key, dotted, YAML value (--set limit=100 --set executor=local)",
-    )
+    add_recipe_arguments(parser, "recipes/reference/extract.yaml", "--set limit=100 --set executor=local")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.set_defaults(func=run)

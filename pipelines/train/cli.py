@@ -10,6 +10,8 @@ import argparse
 import json
 from typing import Any
 
+from pipelines.recipe import add_recipe_arguments
+
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
@@ -21,15 +23,7 @@ def register(subparsers: Any) -> None:
             "output_dir resumes from its newest checkpoint. The final checkpoint's path is printed."
         ),
     )
-    parser.add_argument("recipe", help="YAML recipe (see recipes/reference/train-eagle3.yaml)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a recipe key, dotted, YAML value (--set max_steps=20 --set loader.token_budget=2048)",
-    )
+    add_recipe_arguments(parser, "recipes/reference/train-eagle3.yaml", "--set max_steps=20 --set loader.token_budget=2048")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON at the end")
     parser.set_defaults(func=run)
 
