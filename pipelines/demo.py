@@ -35,11 +35,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     parser.add_argument("--workdir", default="runs/demo", help="where every artifact goes")
     parser.add_argument("--gpu", action="store_true", help="run every step on the GPU (bf16)")
-    parser.add_argument("--records", type=int, default=120, help="training records to extract")
-    parser.add_argument("--max-length", type=int, default=1024, help="tokens kept per record")
-    parser.add_argument("--train-steps", type=int, default=150, help="optimizer steps")
-    parser.add_argument("--prompts", type=int, default=12, help="evaluation prompts")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--records", type=int, default=100, help="training records to extract")
+    parser.add_argument("--max-length", type=int, default=768, help="tokens kept per record")
+    parser.add_argument("--train-steps", type=int, default=100, help="optimizer steps (rows of 2 x max-length tokens)")
+    parser.add_argument("--prompts", type=int, default=10, help="evaluation prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument(
         "--executor", choices=["ray", "local"], default="ray", help="extraction executor"
     )
@@ -67,11 +67,11 @@ def run_demo(
     *,
     workdir: Path,
     gpu: bool = False,
-    records: int = 120,
-    max_length: int = 1024,
-    train_steps: int = 150,
-    prompts: int = 12,
-    max_new_tokens: int = 64,
+    records: int = 100,
+    max_length: int = 768,
+    train_steps: int = 100,
+    prompts: int = 10,
+    max_new_tokens: int = 48,
     executor: str = "ray",
     fresh: bool = False,
 ) -> dict[str, Any]:
