@@ -8,18 +8,25 @@ Order of a run (each step is a function of the recipe and the data, so reruns ag
    field), so a rerun can only resume the same extraction;
 3. cut the accepted samples into units; units whose shard id is already committed are skipped;
 4. the executor runs the rest; as each unit finishes its shard is committed (the manifest is the
-   commit point), so a crash loses only the units in flight.
+   commit point), so a crash loses only the units in flight;
+5. records the target raised on (``worker_error``, left out of their unit by the worker) join the
+   rejects file and the summary. Each unit's are saved under ``rejects/units/`` before its commit,
+   so a resume that skips a committed unit still reports them: a rerun gives the same rejects.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 from hsstore import commit_shards, committed_shard_ids, ensure_store
 from hsstore.location import StoreLocation
+from pipelines.extract.errors import ExtractionError
 from pipelines.extract.plan import (
     aux_layer_ids_for,
     build_features,
@@ -31,9 +38,10 @@ from pipelines.extract.plan import (
     write_rejects,
 )
 from pipelines.extract.recipe import ExtractRecipe
+from pipelines.extract.records import Record, Rejection, RejectReason
 from pipelines.extract.summary import ExtractionSummary
-from pipelines.extract.tokenize import SampleTokenizer
-from pipelines.extract.worker import UnitResult, WorkerSpec
+from pipelines.extract.tokenize import SampleTokenizer, TokenizedSample
+from pipelines.extract.worker import RejectedSample, UnitResult, WorkerSpec, WorkUnit
 from pipelines.target_identity import (
     chat_template_sha256,
     read_config,
@@ -44,6 +52,9 @@ from pipelines.target_identity import (
 logger = logging.getLogger(__name__)
 
 CommitHook = Callable[[UnitResult, Any], None]
+
+# Per-unit worker rejections, one JSON-lines file per unit that has any (``u000042.jsonl``).
+UNIT_REJECTS_DIR = "rejects/units"
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
@@ -81,7 +92,8 @@ def run_extraction(
     target_dir = resolve_target(recipe.target, recipe.model.revision)
     tokenizer_dir = recipe.tokenizer.path or target_dir
     sample_tokenizer = make_sample_tokenizer(recipe, tokenizer_dir)
-    plan = read_samples(recipe, sample_tokenizer)
+    origins = _OriginRecorder(sample_tokenizer)
+    plan = read_samples(recipe, cast(SampleTokenizer, origins))
     rejects_path = write_rejects(location, plan.rejections)
     summary = ExtractionSummary(
         store=recipe.store,
@@ -114,9 +126,15 @@ def run_extraction(
     lineage = reconcile_lineage(location, lineage)
     ensure_store(location, features=features, lineage=lineage)
 
-    units = plan_units(plan.samples, recipe.units.max_tokens, recipe.units.max_samples)
+    units = [
+        # The worker names a record it rejects by its origin (file:line).
+        dataclasses.replace(u, origins=tuple(origins.origin_of[r.sample_id] for r in u.rows))
+        for u in plan_units(plan.samples, recipe.units.max_tokens, recipe.units.max_samples)
+    ]
     done = committed_shard_ids(location)
     todo = [u for u in units if u.shard_id not in done]
+    unit_rejects = UnitRejects(location)
+    unit_rejects.load([u for u in units if u.shard_id in done])
     summary.num_units = len(units)
     summary.num_units_skipped = len(units) - len(todo)
     if summary.num_units_skipped:
@@ -146,7 +164,21 @@ def run_extraction(
             pass_attention_mask=recipe.batching.pass_attention_mask,
             pad_token_id=int(pad_token_id),
         )
-        _run_units(recipe, spec, todo, features, lineage, location, summary, progress, on_commit)
+        _run_units(
+            recipe,
+            spec,
+            todo,
+            features,
+            lineage,
+            location,
+            summary,
+            progress,
+            on_commit,
+            unit_rejects,
+        )
+    _count_worker_rejections(summary, units, unit_rejects)
+    if unit_rejects.by_unit:
+        write_rejects(location, plan.rejections + unit_rejects.rejections())
 
     from hsstore.gc import collect_garbage
     from hsstore.writer import read_manifest
@@ -175,6 +207,7 @@ def _run_units(
     summary: ExtractionSummary,
     progress: bool,
     on_commit: CommitHook | None,
+    unit_rejects: UnitRejects,
 ) -> None:
     from tqdm.auto import tqdm
 
@@ -197,6 +230,7 @@ def _run_units(
     )
     start = time.perf_counter()
     units_done = summary.num_units_skipped
+    todo_by_index = {unit.index: unit for unit in todo}
 
     # Tokens the bar has shown but no committed unit holds yet (per-batch progress, in process).
     shown_uncommitted = 0
@@ -208,6 +242,8 @@ def _run_units(
 
     def on_result(result: UnitResult) -> None:
         nonlocal units_done, shown_uncommitted
+        # Saved before the commit: a committed unit always has its rejections on disk.
+        unit_rejects.save(result, todo_by_index[result.unit_index])
         commit_shards(location, [result.record], features=features, lineage=lineage)
         units_done += 1
         summary.num_samples_written += result.num_samples
@@ -238,7 +274,7 @@ def remove_dead_temp_files(location: StoreLocation) -> list[str]:
     from hsstore.manifest import MANIFEST_NAME
 
     removed = []
-    for folder in ("", "rejects"):
+    for folder in ("", "rejects", UNIT_REJECTS_DIR):
         if folder and not location.exists(folder):
             continue
         for entry in location.fs.ls(location.path(folder), detail=False):
@@ -251,3 +287,129 @@ def remove_dead_temp_files(location: StoreLocation) -> list[str]:
                 location.fs.rm(location.path(relative))
                 removed.append(relative)
     return removed
+
+
+class _OriginRecorder:
+    """Wraps the sample tokenizer to remember each accepted sample's record origin (``file:line``),
+    which the worker needs to name a record it rejects; samples themselves do not carry it. The
+    first origin of a sample id is kept, as the planner keeps the first of duplicates."""
+
+    def __init__(self, tokenizer: SampleTokenizer):
+        self.tokenizer = tokenizer
+        self.origin_of: dict[str, str] = {}
+
+    def __call__(self, record: Record) -> TokenizedSample | Rejection:
+        result = self.tokenizer(record)
+        if isinstance(result, TokenizedSample):
+            self.origin_of.setdefault(result.sample_id, record.origin)
+        return result
+
+
+class UnitRejects:
+    """The worker's rejections per unit, kept in ``rejects/units/<shard id>.jsonl``.
+
+    A unit's file is written before its commit, and removed when a rerun of an uncommitted unit
+    rejects nothing, so for every committed unit the file (or its absence) is that unit's truth.
+    One listing at start; no per-unit I/O for units without rejections.
+    """
+
+    def __init__(self, location: StoreLocation):
+        self.location = location
+        self.by_unit: dict[int, tuple[RejectedSample, ...]] = {}
+        names = (path.rsplit("/", 1)[-1] for path in location.list_files(UNIT_REJECTS_DIR))
+        self._on_disk = {
+            n.removesuffix(".jsonl")
+            for n in names
+            if n.endswith(".jsonl") and not n.startswith(".")
+        }
+
+    @staticmethod
+    def path(shard_id: str) -> str:
+        return f"{UNIT_REJECTS_DIR}/{shard_id}.jsonl"
+
+    def load(self, committed: Sequence[WorkUnit]) -> None:
+        """Read the rejections of units committed by earlier runs (those runs skip them)."""
+        for unit in committed:
+            if unit.shard_id in self._on_disk:
+                self.by_unit[unit.index] = self._read(unit)
+
+    def _read(self, unit: WorkUnit) -> tuple[RejectedSample, ...]:
+        path = self.path(unit.shard_id)
+        rejected = []
+        for line_no, line in enumerate(
+            self.location.read_bytes(path).decode("utf-8").splitlines(), 1
+        ):
+            try:
+                entry = json.loads(line)
+                position, sample_id, r = entry["position"], entry["sample_id"], entry["rejection"]
+                rejection = Rejection(
+                    RejectReason(r["reason"]),
+                    r["message"],
+                    r["origin"],
+                    r["source_id"],
+                    r["excerpt"],
+                )
+            except (ValueError, KeyError, TypeError) as err:
+                raise ExtractionError(
+                    f"{self.location.path(path)}:{line_no}: not a rejection this extraction wrote "
+                    f"({type(err).__name__}: {err}); remove the file and the shard {unit.shard_id} "
+                    "from the store to redo the unit"
+                ) from err
+            if not (0 <= position < len(unit.rows) and unit.rows[position].sample_id == sample_id):
+                raise ExtractionError(
+                    f"{self.location.path(path)}:{line_no}: sample {sample_id} is not at position "
+                    f"{position} of unit {unit.index}; the file does not belong to this extraction"
+                )
+            rejected.append(RejectedSample(position, sample_id, rejection))
+        return tuple(rejected)
+
+    def save(self, result: UnitResult, unit: WorkUnit) -> None:
+        """Keep a finished unit's rejections (called before its commit)."""
+        path = self.path(unit.shard_id)
+        if result.rejected:
+            lines = [
+                json.dumps(
+                    {
+                        "position": r.position,
+                        "sample_id": r.sample_id,
+                        "rejection": r.rejection.to_json(),
+                    },
+                    ensure_ascii=False,
+                )
+                for r in result.rejected
+            ]
+            self.location.write_bytes_atomic(path, ("\n".join(lines) + "\n").encode("utf-8"))
+            self._on_disk.add(unit.shard_id)
+            for r in result.rejected:
+                logger.warning("rejected (%s) %s", r.rejection.reason, r.rejection.message)
+        elif unit.shard_id in self._on_disk:
+            # Left by an attempt that crashed before its commit and rejected something this one
+            # did not: it must not speak for the committed unit on a later resume.
+            self.location.fs.rm(self.location.path(path))
+            self._on_disk.discard(unit.shard_id)
+        if result.rejected:
+            self.by_unit[unit.index] = result.rejected
+        else:
+            self.by_unit.pop(unit.index, None)
+
+    def rejections(self) -> list[Rejection]:
+        """Every unit's rejections, by unit then input order (the same whatever finished first)."""
+        return [r.rejection for index in sorted(self.by_unit) for r in self.by_unit[index]]
+
+
+def _count_worker_rejections(
+    summary: ExtractionSummary, units: Sequence[WorkUnit], unit_rejects: UnitRejects
+) -> None:
+    """Move the samples the worker rejected from the accepted counts to the rejected ones."""
+    if not unit_rejects.by_unit:
+        return
+    by_index = {unit.index: unit for unit in units}
+    reasons: Counter[str] = Counter(summary.rejected)
+    for index, rejected in unit_rejects.by_unit.items():
+        for r in rejected:
+            row = by_index[index].rows[r.position]
+            summary.num_samples -= 1
+            summary.num_tokens -= len(row.input_ids)
+            summary.num_loss_tokens -= int(row.loss_mask.sum())
+            reasons[str(r.rejection.reason)] += 1
+    summary.rejected = dict(sorted(reasons.items()))

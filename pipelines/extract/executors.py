@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from hsstore.errors import HsstoreError
 from pipelines.extract.errors import ExtractionError
 from pipelines.extract.recipe import RaySection
 from pipelines.extract.worker import ExtractionWorker, UnitResult, WorkerSpec, WorkUnit
@@ -45,7 +46,9 @@ class LocalExecutor:
     ) -> None:
         """Two units in flight: one computing, the previous one finishing its shard.
 
-        ``on_batch(num_samples, num_tokens)`` reports each batch (from a worker thread)."""
+        ``on_batch(num_samples, num_tokens)`` reports each batch (from a worker thread). A failed
+        unit raises what ``run_unit`` raised: an :class:`ExtractionError` naming the unit (or an
+        hsstore error naming its shard)."""
         from concurrent.futures import ThreadPoolExecutor
 
         in_flight: deque[Any] = deque()
@@ -154,6 +157,10 @@ class RayExecutor:
             try:
                 result = ray.get(ref)
             except RayTaskError as err:
+                if isinstance(err.cause, HsstoreError):
+                    # The worker's own error already names the unit (or the shard), and keeps
+                    # its type (a StoreWriteError is still an OSError to the caller).
+                    raise err.cause from err
                 raise ExtractionError(
                     f"unit {unit.index} (shard {unit.shard_id}) failed: {err.cause or err}"
                 ) from err

@@ -37,6 +37,7 @@ class RejectReason(StrEnum):
     TOO_LONG = "too_long"
     NO_LOSS_TOKENS = "no_loss_tokens"
     DUPLICATE = "duplicate"
+    WORKER_ERROR = "worker_error"  # the target raised on the record (pipelines/extract/worker.py)
 
 
 # ShareGPT speaker names mapped onto OpenAI roles; OpenAI roles map onto themselves.

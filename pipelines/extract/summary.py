@@ -11,7 +11,9 @@ class ExtractionSummary:
     """Returned by ``run_extraction`` and printed by ``hsstore extract``.
 
     Counts of samples and tokens cover the whole store (this run plus what earlier runs had
-    committed); ``*_written`` and the rates cover this run only.
+    committed); ``*_written`` and the rates cover this run only. ``rejected`` counts by reason,
+    planning's and the worker's (``worker_error``: records the target raised on) alike, so a
+    resume reports the same counts as the run it finishes.
     """
 
     store: str

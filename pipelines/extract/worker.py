@@ -5,6 +5,14 @@ way, so a profile of the in-process run is a profile of what the actors do. A un
 one shard with a deterministic id (``u000042`` for unit 42), so a retried or re-run unit can only
 ever produce the same shard; the shard's files go to their own attempt folder and only the
 driver's manifest commit makes them visible (hsstore's ShardWriter contract).
+
+A record the target raises on is isolated, not fatal: when a batch's forward raises, its samples
+are rerun one at a time, the ones that still raise are left out of the shard and come back in the
+unit result as ``worker_error`` rejections (:class:`RejectedSample`), and the rest of the unit is
+written as usual. Only failures that are not about one record escape, as :class:`ExtractionError`
+naming the unit: out of memory or a CUDA error on a single sample, or a target that also fails a
+one-token probe (broken, not fed a bad record). The happy path pays nothing: no per-sample forward
+runs unless a batch failed.
 """
 
 from __future__ import annotations
@@ -20,8 +28,11 @@ import numpy as np
 import torch
 
 from hsstore import FeatureSpec, ShardRecord, ShardWriter
-from pipelines.extract.batching import collate, plan_batches
+from hsstore.errors import HsstoreError
+from pipelines.extract.batching import Batch, collate, plan_batches, round_up
 from pipelines.extract.capture import HiddenStateCapture
+from pipelines.extract.errors import ExtractionError
+from pipelines.extract.records import Rejection, RejectReason
 from pipelines.extract.sink import SampleRow, ShardSink
 
 logger = logging.getLogger(__name__)
@@ -32,12 +43,21 @@ def unit_shard_id(unit_index: int) -> str:
     return f"u{unit_index:06d}"
 
 
+# Characters of an exception's text kept in a rejection message.
+_ERROR_CHARS = 300
+
+
 @dataclass(frozen=True)
 class WorkUnit:
     """Consecutive accepted samples, written together as one shard."""
 
     index: int
     rows: tuple[SampleRow, ...]
+    # Each row's record origin (``file:line``), for messages; empty: messages name the source id.
+    origins: tuple[str, ...] = ()
+
+    def origin(self, position: int) -> str:
+        return self.origins[position] if self.origins else f"sample {self.rows[position].source_id}"
 
     @property
     def shard_id(self) -> str:
@@ -49,8 +69,20 @@ class WorkUnit:
 
 
 @dataclass(frozen=True)
+class RejectedSample:
+    """A sample of a unit that the target raised on when run alone; it is not in the shard."""
+
+    position: int  # index into the unit's rows
+    sample_id: str
+    rejection: Rejection
+
+
+@dataclass(frozen=True)
 class UnitResult:
-    """What a worker returns for a unit: the record to commit and what it cost."""
+    """What a worker returns for a unit: the record to commit and what it cost.
+
+    Samples, tokens and batches count what the shard holds; ``rejected`` are the unit's samples
+    left out (they travel back with the result, so a Ray actor's rejections reach the driver)."""
 
     unit_index: int
     record: ShardRecord
@@ -61,6 +93,7 @@ class UnitResult:
     seconds: float  # the whole unit, shard finished
     compute_seconds: float  # holding the model (forwards; the GPU work may still be queued)
     write_seconds: float  # the writer thread's busy time
+    rejected: tuple[RejectedSample, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -157,7 +190,21 @@ class ExtractionWorker:
         unit at a time, but finishing a shard (last flushes, sample table, checksumming every
         file: seconds for GBs) happens outside it, so the next unit's forwards overlap it.
         ``on_batch(num_samples, num_tokens)`` is called after each batch (progress bars).
+
+        A sample the target raises on alone is left out and returned in ``rejected``; anything
+        else that raises is an :class:`ExtractionError` naming the unit (hsstore's own errors,
+        a failed shard write among them, already name the shard and pass unchanged).
         """
+        try:
+            return self._run_unit(unit, on_batch)
+        except HsstoreError:
+            raise
+        except Exception as err:
+            raise ExtractionError(
+                f"unit {unit.index} (shard {unit.shard_id}) failed: {_describe(err)}"
+            ) from err
+
+    def _run_unit(self, unit: WorkUnit, on_batch: Callable[[int, int], None] | None) -> UnitResult:
         start = time.perf_counter()
         token_ids = [row.input_ids for row in unit.rows]
         batches = plan_batches(
@@ -166,6 +213,8 @@ class ExtractionWorker:
             max_batch_size=self.spec.max_batch_size,
             pad_to_multiple_of=self.spec.pad_to_multiple_of,
         )
+        kept: list[Batch] = []  # the forwards whose features went to the shard
+        failures: list[tuple[int, str]] = []  # (position in the unit, the error) of left-out rows
         with self._compute_lock:
             compute_start = time.perf_counter()
             writer = ShardWriter(
@@ -177,19 +226,41 @@ class ExtractionWorker:
             sink = ShardSink(writer, self.device)
             try:
                 for batch in batches:
-                    input_ids_BT, attention_mask_BT = collate(
-                        token_ids, batch, self.spec.pad_token_id
+                    failed = False
+                    try:
+                        features = self._forward(token_ids, batch)
+                    except Exception as err:
+                        self._raise_if_device_broken(unit, batch, err)
+                        logger.warning(
+                            "unit %d: a batch of %d samples failed (%s); rerunning them alone",
+                            unit.index,
+                            len(batch.indices),
+                            _describe(err),
+                        )
+                        failed = True
+                    # Isolation runs outside the except block: the exception's traceback holds
+                    # the failed forward's activations, which the reruns need the memory of.
+                    if failed:
+                        singles, batch_failures = self._isolate(unit, token_ids, batch, sink)
+                        kept.extend(singles)
+                        failures.extend(batch_failures)
+                        num_samples, num_tokens = len(singles), sum(b.num_tokens for b in singles)
+                    else:
+                        # Submitted only now that every row's features exist: a failed forward
+                        # adds nothing to the shard.
+                        sink.submit([unit.rows[i] for i in batch.indices], features)
+                        kept.append(batch)
+                        num_samples, num_tokens = len(batch.indices), batch.num_tokens
+                    if on_batch is not None and num_samples:
+                        on_batch(num_samples, num_tokens)
+                if failures and not kept:
+                    index, error = min(failures)
+                    raise ExtractionError(
+                        f"unit {unit.index} (shard {unit.shard_id}): the target raised on every "
+                        f"one of its {len(unit.rows)} samples (first: {unit.origin(index)}: "
+                        f"{error}). That is a target/tokenizer mismatch or a broken target, not "
+                        "bad records; nothing of the unit was written"
                     )
-                    # Flat indices of the real tokens, computed here so the GPU is never asked.
-                    valid_index_N = np.flatnonzero(attention_mask_BT.reshape(-1))
-                    features = self.capture(
-                        _to_device(input_ids_BT, self.device),
-                        _to_device(attention_mask_BT, self.device),
-                        _to_device(valid_index_N, self.device),
-                    )
-                    sink.submit([unit.rows[i] for i in batch.indices], features)
-                    if on_batch is not None:
-                        on_batch(len(batch.indices), batch.num_tokens)
             except BaseException:
                 sink.abort()
                 raise
@@ -202,14 +273,89 @@ class ExtractionWorker:
         return UnitResult(
             unit_index=unit.index,
             record=record,
-            num_samples=len(unit.rows),
-            num_tokens=sum(b.num_tokens for b in batches),
-            num_padded_tokens=sum(b.num_padded_tokens for b in batches),
-            num_batches=len(batches),
+            num_samples=sum(len(b.indices) for b in kept),
+            num_tokens=sum(b.num_tokens for b in kept),
+            num_padded_tokens=sum(b.num_padded_tokens for b in kept),
+            num_batches=len(kept),
             seconds=time.perf_counter() - start,
             compute_seconds=compute_seconds,
             write_seconds=sink.write_seconds,
+            rejected=tuple(_rejected_sample(unit, i, error) for i, error in sorted(failures)),
         )
+
+    def _forward(self, token_ids: list[Any], batch: Batch) -> dict[str, torch.Tensor]:
+        input_ids_BT, attention_mask_BT = collate(token_ids, batch, self.spec.pad_token_id)
+        # Flat indices of the real tokens, computed here so the GPU is never asked.
+        valid_index_N = np.flatnonzero(attention_mask_BT.reshape(-1))
+        return self.capture(
+            _to_device(input_ids_BT, self.device),
+            _to_device(attention_mask_BT, self.device),
+            _to_device(valid_index_N, self.device),
+        )
+
+    def _isolate(
+        self, unit: WorkUnit, token_ids: list[Any], batch: Batch, sink: ShardSink
+    ) -> tuple[list[Batch], list[tuple[int, str]]]:
+        """Rerun a failed batch's samples one at a time: the ones that work go to the shard, the
+        ones that raise come back as (position, error). Raises ExtractionError when the failure
+        is not a record's (the device's, or a target that fails a probe too)."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the failed forward's blocks; an OOM'd batch may fit alone
+        singles: list[Batch] = []
+        failures: list[tuple[int, str]] = []
+        for index in batch.indices:
+            length = len(token_ids[index])
+            single = Batch((index,), round_up(length, self.spec.pad_to_multiple_of), length)
+            try:
+                features = self._forward(token_ids, single)
+            except Exception as err:
+                if _is_device_error(err):
+                    raise ExtractionError(
+                        f"unit {unit.index} (shard {unit.shard_id}): {unit.origin(index)}: "
+                        f"{_describe(err)} on this sample alone ({length} tokens). Not a bad "
+                        "record but the device's limit or state: lower batching.max_length (or "
+                        "batching.token_budget), or use a larger device"
+                    ) from err
+                failures.append((index, _describe(err)))
+                continue
+            sink.submit([unit.rows[index]], features)
+            singles.append(single)
+        if failures and not singles:
+            self._probe(unit, len(batch.indices), failures[0])
+        return singles, failures
+
+    def _probe(self, unit: WorkUnit, batch_size: int, first_failure: tuple[int, str]) -> None:
+        """Every sample of a batch failed alone: bad records, or a broken target? A forward over
+        a few pad tokens tells. Raises ExtractionError when the target fails that too, so a
+        broken model fails the job instead of rejecting every record."""
+        length = max(1, self.spec.pad_to_multiple_of)
+        ids_BT = np.full((1, length), self.spec.pad_token_id, dtype=np.int64)
+        try:
+            self.capture(
+                _to_device(ids_BT, self.device),
+                _to_device(np.ones_like(ids_BT), self.device),
+                _to_device(np.arange(length), self.device),
+            )
+        except Exception as err:
+            index, error = first_failure
+            raise ExtractionError(
+                f"unit {unit.index} (shard {unit.shard_id}): all {batch_size} samples of a batch "
+                f"failed alone (first: {unit.origin(index)}: {error}) and so did a {length}-token "
+                f"probe of pad tokens ({_describe(err)}): the target is broken, not the records"
+            ) from err
+
+    def _raise_if_device_broken(self, unit: WorkUnit, batch: Batch, err: Exception) -> None:
+        """A CUDA error (a device-side assert, an illegal access) leaves the device unusable for
+        this process: rerunning the batch's samples would only fail again, so say so now. (Out of
+        memory is not one of these: the samples may fit one at a time.)"""
+        if _is_device_error(err) and not _is_out_of_memory(err):
+            raise ExtractionError(
+                f"unit {unit.index} (shard {unit.shard_id}): a batch of {len(batch.indices)} "
+                f"samples failed with a device error ({_describe(err)}); the device is unusable "
+                "after it, so the samples cannot be rerun one by one. A device-side assert in an "
+                "embedding is often a token id past the target's vocabulary: check that the "
+                "tokenizer belongs to the target"
+            ) from err
 
     def close(self) -> None:
         self.capture.close()
@@ -220,3 +366,36 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
+
+
+def _rejected_sample(unit: WorkUnit, position: int, error: str) -> RejectedSample:
+    row = unit.rows[position]
+    message = (
+        f"{unit.origin(position)}: the target raised on this record ({error}); left out of unit "
+        f"{unit.index} (shard {unit.shard_id}), the rest of the unit was kept"
+    )
+    origin = unit.origins[position] if unit.origins else row.source_id
+    rejection = Rejection(RejectReason.WORKER_ERROR, message, origin, row.source_id, "")
+    return RejectedSample(position, row.sample_id, rejection)
+
+
+def _describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err)[:_ERROR_CHARS]}"
+
+
+def _is_out_of_memory(err: BaseException) -> bool:
+    return isinstance(err, torch.cuda.OutOfMemoryError | MemoryError)
+
+
+def _is_device_error(err: BaseException) -> bool:
+    """Out of memory or a CUDA error: about the device, never about one record."""
+    if _is_out_of_memory(err):
+        return True
+    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8
+    if accelerator_error is not None and isinstance(err, accelerator_error):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and any(
+        marker in text
+        for marker in ("CUDA error", "device-side assert", "CUBLAS_STATUS_", "cuDNN error")
+    )

@@ -68,27 +68,6 @@ def write_with_poison(tmp_path: Path) -> Path:
     return data
 
 
-def test_a_record_that_makes_the_worker_raise_fails_clearly_and_keeps_the_store_valid(tmp_path, hostile_tokenizer):
-    """Today's contract: the unit holding the record fails the job with an error naming the unit;
-    units committed before it stay committed and sound."""
-    from pipelines.extract import run_extraction
-
-    url = str(tmp_path / "store")
-    recipe = load_extract_recipe(url, write_with_poison(tmp_path), executor="local", **{"tokenizer.path": str(hostile_tokenizer)})
-    with pytest.raises(Exception, match=r"index out of range|out of bounds|IndexError") as raised:
-        run_extraction(recipe)
-    print("error seen by the user:", type(raised.value).__name__, str(raised.value)[:300])
-    assert fatal(url) == []
-    ids = set(store_sample_ids(url))
-    assert ids < expected_sample_ids(recipe)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug (pipelines/extract/worker.py ExtractionWorker.run_unit): an exception on one record "
-    "fails its whole unit and the job; the issue asks for the record to be isolated (retry the batch "
-    "sample by sample, reject the failing one with a reason) and the rest to go on",
-)
 def test_a_record_that_makes_the_worker_raise_is_isolated_and_the_rest_goes_on(tmp_path, hostile_tokenizer):
     from pipelines.extract import run_extraction
 
