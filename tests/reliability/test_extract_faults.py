@@ -10,8 +10,6 @@ from pathlib import Path
 import pytest
 
 import hsstore
-from hsstore import StoreLocation
-from hsstore.verify import verify_store
 from tests.reliability.conftest import (
     REFERENCE_TARGET,
     expected_sample_ids,
@@ -24,10 +22,6 @@ pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
 def store_sample_ids(url: str) -> list[str]:
     return hsstore.open_store(url).samples.column("sample_id").to_pylist()
-
-
-def fatal(url: str) -> list[str]:
-    return [str(p) for p in verify_store(StoreLocation(url)) if p.fatal]
 
 
 def test_workers_sigkilled_mid_shard_again_and_again_leave_an_exact_store(ray_session, tmp_path):
