@@ -27,7 +27,13 @@ from hsstore.location import StoreLocation
 from hsstore.manifest import FORMAT_VERSION, FileEntry, ShardRecord, StoreManifest, parse_manifest
 from hsstore.store import Store, open_store
 from hsstore.verify import Problem, verify_store
-from hsstore.writer import ShardWriter, StoreWriter, commit_shards, committed_shard_ids, ensure_store
+from hsstore.writer import (
+    ShardWriter,
+    StoreWriter,
+    commit_shards,
+    committed_shard_ids,
+    ensure_store,
+)
 
 __version__ = "0.1.0"
 

@@ -83,9 +83,11 @@ def test_unknown_keys_are_refused(manifest_dict):
 @given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8), lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=20))
 def test_fuzzed_json_never_crashes_the_parser(value):
     try:
-        parse_manifest(json.dumps(value))
-    except ManifestError:
-        pass
+        manifest = parse_manifest(json.dumps(value))
+    except ManifestError as err:
+        assert "manifest.json" in str(err)  # a clean error naming the file, never a crash
+    else:
+        assert isinstance(manifest, hsstore.StoreManifest)
 
 
 @settings(max_examples=200, deadline=None)
