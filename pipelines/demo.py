@@ -37,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--gpu", action="store_true", help="run every step on the GPU (bf16)")
     parser.add_argument("--records", type=int, default=160, help="training records to extract")
     parser.add_argument("--max-length", type=int, default=768, help="tokens kept per record")
-    parser.add_argument("--train-steps", type=int, default=200, help="optimizer steps (rows of 2 x max-length tokens)")
+    parser.add_argument("--train-steps", type=int, default=140, help="optimizer steps (rows of 2 x max-length tokens)")
     parser.add_argument("--prompts", type=int, default=10, help="evaluation prompts")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument(
@@ -69,7 +69,7 @@ def run_demo(
     gpu: bool = False,
     records: int = 160,
     max_length: int = 768,
-    train_steps: int = 200,
+    train_steps: int = 140,
     prompts: int = 10,
     max_new_tokens: int = 48,
     executor: str = "ray",
