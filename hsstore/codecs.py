@@ -135,18 +135,6 @@ def decode_numpy(spec: FeatureSpec, raw: dict[str, np.ndarray], key: str | None 
     raise CodecError(f"feature {spec.name!r}: unknown codec {spec.codec!r}")
 
 
-_FP8_TABLE_TORCH: Any = None
-
-
-def _fp8_table_torch() -> torch.Tensor:
-    global _FP8_TABLE_TORCH
-    if _FP8_TABLE_TORCH is None:
-        import torch
-
-        _FP8_TABLE_TORCH = torch.from_numpy(FP8_E4M3_VALUES.copy())
-    return _FP8_TABLE_TORCH
-
-
 def decode_torch(
     spec: FeatureSpec,
     raw: dict[str, Any],
@@ -176,9 +164,11 @@ def decode_torch(
         scale_t = scale if _is_torch(scale) else torch.from_numpy(np.ascontiguousarray(scale))
         scale_t = scale_t.to(device, non_blocking=True) if device is not None else scale_t
         if bits_t.device.type == "cpu":
-            # torch's CPU float8 -> float32 cast is slow (~0.2 G values/s); a 256-entry table
-            # gives the same values at ~3x less CPU (measured). GPUs cast natively.
-            values = _fp8_table_torch()[bits_t.to(torch.int64)] * scale_t.unsqueeze(-1)
+            # torch's CPU float8 -> float32 cast is slow; numpy's take over the 256-entry table
+            # gives the same values in half the time (measured: 0.058 vs 0.114 s for 50M values;
+            # torch's own gather was slower than the cast). GPUs cast natively.
+            table_values = np.take(FP8_E4M3_VALUES, bits_t.contiguous().view(torch.uint8).numpy())
+            values = torch.from_numpy(table_values) * scale_t.unsqueeze(-1)
         else:
             values = bits_t.view(torch.float8_e4m3fn).to(torch.float32) * scale_t.unsqueeze(-1)
         out = values.to(torch.bfloat16)
