@@ -113,9 +113,9 @@ def _encode_torch(spec: FeatureSpec, tensor: torch.Tensor) -> dict[str, np.ndarr
         # Clamp at the smallest normal float32 so that tiny rows do not underflow the scale to 0.
         scale = (amax / FP8_E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
         scale = torch.where(amax > 0, scale, torch.ones_like(amax))
-        bits = (work / scale).to(torch.float8_e4m3fn).view(torch.uint8)
+        fp8_bits = (work / scale).to(torch.float8_e4m3fn).view(torch.uint8)
         return {
-            spec.name: bits.cpu().numpy(),
+            spec.name: fp8_bits.cpu().numpy(),
             spec.name + SCALE_SUFFIX: scale.squeeze(-1).cpu().numpy().astype(np.float32),
         }
     raise CodecError(f"feature {spec.name!r}: unknown codec {spec.codec!r}")

@@ -97,19 +97,25 @@ class FeatureSpec(BaseModel):
         return count
 
     @property
+    def value_bytes_per_token(self) -> int:
+        """Bytes of stored values per token (scales excluded): what an inner chunk is sized by."""
+        itemsize = {"uint16": 2, "uint8": 1, "float32": 4, "int32": 4}[self.storage_dtype]
+        return itemsize * self.values_per_token
+
+    @property
+    def scale_bytes_per_token(self) -> int:
+        """fp8 only: one float32 scale per token and leading index."""
+        return 4 * max(1, self.values_per_token // self.shape[-1]) if self.has_scale else 0
+
+    @property
     def raw_bytes_per_token(self) -> int:
         """Uncompressed bytes per token, scales included."""
-        itemsize = {"uint16": 2, "uint8": 1, "float32": 4, "int32": 4}[self.storage_dtype]
-        scale = 4 * max(1, self.values_per_token // self.shape[-1]) if self.has_scale else 0
-        return itemsize * self.values_per_token + scale
+        return self.value_bytes_per_token + self.scale_bytes_per_token
 
     @property
     def chunk_tokens(self) -> int:
         """Tokens per inner chunk, derived from ``chunk_bytes``."""
-        itemsize = self.raw_bytes_per_token - (
-            4 * max(1, self.values_per_token // self.shape[-1]) if self.has_scale else 0
-        )
-        return max(1, self.chunk_bytes // itemsize)
+        return max(1, self.chunk_bytes // self.value_bytes_per_token)
 
     @property
     def shard_tokens(self) -> int:

@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from hsstore import codecs
 from hsstore.errors import ShardCorruptError
-from hsstore.features import SCALE_SUFFIX, TABLE_FEATURES, FeatureSpec
+from hsstore.features import TABLE_FEATURES, FeatureSpec
 from hsstore.lineage import Lineage
 from hsstore.location import StoreLocation
 from hsstore.manifest import ShardRecord, StoreManifest
@@ -265,4 +265,4 @@ def open_store(url: str | os.PathLike[str], *, storage_options: dict[str, Any] |
     return Store(location, require_manifest(location))
 
 
-__all__ = ["SCALE_SUFFIX", "Store", "open_store"]
+__all__ = ["Store", "open_store"]
