@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # The names pipelines agree on (DESIGN.md). Other names are allowed: a store is a general container.
 AUX_HIDDEN_STATES = "aux_hidden_states"  # [T, num_aux_layers, H]
@@ -33,6 +33,18 @@ STORAGE_DTYPE: dict[str, str] = {
 }
 SCALE_SUFFIX = ".scale"
 
+# Default inner chunk: reads are about one sample (hundreds of tokens) and always cover whole chunks,
+# so a chunk is sized in tokens, not bytes: a power of two of at most 1,024 tokens and 2 MiB. That is
+# 64 tokens of [3, 4096] bf16 aux states (1.5 MiB), 512 of [3, 384]; benchmarks/RESULTS.md has the sweep.
+DEFAULT_CHUNK_BYTES = 2 << 20
+MAX_DEFAULT_CHUNK_TOKENS = 1024
+
+
+def default_chunk_tokens(bytes_per_token: int) -> int:
+    """The default tokens per inner chunk for rows of ``bytes_per_token`` stored bytes."""
+    fit = max(1, DEFAULT_CHUNK_BYTES // max(1, bytes_per_token))
+    return min(MAX_DEFAULT_CHUNK_TOKENS, 1 << (fit.bit_length() - 1))
+
 
 class FeatureSpec(BaseModel):
     """One per-token feature of a store.
@@ -49,13 +61,27 @@ class FeatureSpec(BaseModel):
     codec: Codec = Field(default="bf16", description="how values are stored")
     compression: Compression = Field(default="none", description="byte compression of inner chunks")
     compression_level: int = Field(default=1, ge=0, le=22, description="zstd/blosc level")
-    chunk_bytes: int = Field(
-        default=4 << 20,
-        ge=1024,
-        description="target size of an inner chunk (the unit of reading); zarr pays ~1 ms per chunk",
+    chunk_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "tokens per inner chunk (the unit of reading and of the crc32c); default: from "
+            "chunk_bytes, else the largest power of two whose chunk stays within "
+            "DEFAULT_CHUNK_BYTES, at most MAX_DEFAULT_CHUNK_TOKENS"
+        ),
     )
-    shard_chunks: int = Field(
-        default=64, ge=1, description="inner chunks per Zarr shard file (fewer, larger files)"
+    chunk_bytes: int | None = Field(
+        default=None,
+        ge=1024,
+        description="target bytes of an inner chunk, used only to derive chunk_tokens when it is not given",
+    )
+    shard_chunks: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "inner chunks per Zarr shard file; default (None): one file per array per store shard, "
+            "written as a stream (the fewest files)"
+        ),
     )
 
     @field_validator("shape")
@@ -64,6 +90,17 @@ class FeatureSpec(BaseModel):
         if any(dim <= 0 for dim in shape):
             raise ValueError(f"every per-token dimension must be positive, got {shape}")
         return shape
+
+    @model_validator(mode="after")
+    def _resolve_chunk_tokens(self) -> FeatureSpec:
+        # Resolved once, here, so that the manifest records the chunk length actually written.
+        if self.chunk_tokens is None:
+            if self.chunk_bytes is not None:
+                tokens = max(1, self.chunk_bytes // self.value_bytes_per_token)
+            else:
+                tokens = default_chunk_tokens(self.value_bytes_per_token)
+            object.__setattr__(self, "chunk_tokens", tokens)
+        return self
 
     @field_validator("name")
     @classmethod
@@ -113,14 +150,9 @@ class FeatureSpec(BaseModel):
         return self.value_bytes_per_token + self.scale_bytes_per_token
 
     @property
-    def chunk_tokens(self) -> int:
-        """Tokens per inner chunk, derived from ``chunk_bytes``."""
-        return max(1, self.chunk_bytes // self.value_bytes_per_token)
-
-    @property
-    def shard_tokens(self) -> int:
-        """Tokens per Zarr shard file: writes are flushed in multiples of this."""
-        return self.chunk_tokens * self.shard_chunks
+    def shard_tokens(self) -> int | None:
+        """Tokens per Zarr shard file, or None for one file per store shard."""
+        return None if self.shard_chunks is None else self.chunk_tokens * self.shard_chunks
 
     def array_names(self) -> list[str]:
         """The Zarr arrays that hold this feature."""

@@ -22,6 +22,7 @@ from hsstore.features import TABLE_FEATURES, FeatureSpec
 from hsstore.lineage import Lineage
 from hsstore.location import StoreLocation
 from hsstore.manifest import ShardRecord, StoreManifest
+from hsstore.shardfile import ArrayReader, layout_of
 from hsstore.writer import FEATURES_DIR, SAMPLES_FILE, require_manifest
 
 if TYPE_CHECKING:
@@ -148,6 +149,8 @@ class Store:
     # -- features -----------------------------------------------------------------------------
 
     def _array(self, shard: ShardRecord, array_name: str) -> Any:
+        """A reader for one array of one shard: :class:`hsstore.shardfile.ArrayReader` for the layouts
+        hsstore writes, the zarr array itself for any other (both have ``read``-able rows)."""
         key = (shard.shard_id, array_name)
         with self._lock:
             array = self._arrays.get(key)
@@ -155,47 +158,58 @@ class Store:
             return array
         import zarr
 
+        array_dir = f"{shard.path}/{FEATURES_DIR}/{array_name}"
         try:
             zstore = self.location.zarr_store(f"{shard.path}/{FEATURES_DIR}", read_only=True)
             array = zarr.open_array(zstore, path=array_name, mode="r")
         except Exception as err:
             raise ShardCorruptError(
-                f"shard {shard.shard_id}: {self.location.path(shard.path)}/{FEATURES_DIR}/{array_name}: cannot open: {err}"
+                f"shard {shard.shard_id}: {self.location.path(array_dir)}: cannot open: {err}"
             ) from err
         if array.shape[0] != shard.num_tokens:
             raise ShardCorruptError(
-                f"{self.location.path(shard.path)}/{FEATURES_DIR}/{array_name}: {array.shape[0]} "
-                f"tokens, manifest says {shard.num_tokens}"
+                f"{self.location.path(array_dir)}: {array.shape[0]} tokens, manifest says {shard.num_tokens}"
             )
+        layout = layout_of(array)
+        reader = ArrayReader(self.location, array_dir, layout, shard.num_tokens) if layout else _ZarrRows(array)
         with self._lock:
-            self._arrays[key] = array
-        return array
+            self._arrays[key] = reader
+        return reader
 
     def read_token_range(
-        self, shard_id: str, start: int, stop: int, features: list[str] | None = None
+        self,
+        shard_id: str,
+        start: int,
+        stop: int,
+        features: list[str] | None = None,
+        *,
+        out: dict[str, np.ndarray] | None = None,
     ) -> dict[str, np.ndarray]:
         """Stored bits of tokens ``[start, stop)`` of one shard, undecoded.
 
         Keys are feature names (plus ``<name>.scale`` for fp8); ``input_ids``/``loss_mask`` come from
-        the Arrow table. Decode with :func:`hsstore.codecs.decode_torch` (on the GPU) or
+        the Arrow table. ``out`` may give, per array name, a C-contiguous destination of shape
+        ``[stop - start, ...]`` and the stored dtype (e.g. a slice of a batch buffer): the rows are
+        read straight into it. Decode with :func:`hsstore.codecs.decode_torch` (on the GPU) or
         :func:`hsstore.codecs.decode_numpy`.
         """
         shard = self.shard(shard_id)
         if not 0 <= start <= stop <= shard.num_tokens:
             raise IndexError(f"token range [{start}, {stop}) outside shard {shard_id} ({shard.num_tokens} tokens)")
         names = list(self.features) if features is None else features
-        out: dict[str, np.ndarray] = {}
+        result: dict[str, np.ndarray] = {}
         for name in names:
             if name in TABLE_FEATURES:
                 values = self.shard_samples(shard_id).column(name).combine_chunks().values
-                out[name] = values.slice(start, stop - start).to_numpy(zero_copy_only=False)
+                result[name] = values.slice(start, stop - start).to_numpy(zero_copy_only=False)
                 continue
             if name not in self.features:
                 raise KeyError(f"{self.url}: no feature {name!r} (has {sorted(self.features)})")
             for array_name in self.features[name].array_names():
+                target = None if out is None else out.get(array_name)
                 try:
-                    out[array_name] = self._array(shard, array_name)[start:stop]
-                except ShardCorruptError:
+                    result[array_name] = self._array(shard, array_name).read(start, stop, target)
+                except (ShardCorruptError, ValueError):
                     raise
                 except Exception as err:
                     raise ShardCorruptError(
@@ -203,7 +217,7 @@ class Store:
                         f"{array_name}: read of tokens [{start}, {stop}) failed ({err}); "
                         "run hsstore verify"
                     ) from err
-        return out
+        return result
 
     def read_sample(
         self,
@@ -257,6 +271,21 @@ class Store:
         from hsstore.info import store_info
 
         return store_info(self)
+
+
+class _ZarrRows:
+    """Rows of a zarr array in a layout :mod:`hsstore.shardfile` does not handle (written by another
+    tool): read through zarr, then copied into ``out``."""
+
+    def __init__(self, array: Any):
+        self.array = array
+
+    def read(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        rows = self.array[start:stop]
+        if out is None:
+            return rows
+        out[...] = rows
+        return out
 
 
 def open_store(url: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> Store:

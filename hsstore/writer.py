@@ -1,8 +1,9 @@
 """Writing shards and committing them.
 
-A :class:`ShardWriter` owns one shard: it buffers encoded samples, flushes whole Zarr shard files
-(aligned, so Zarr never reads-modifies-writes), writes the Arrow sample table last, checksums its
-files and returns a :class:`ShardRecord`. Nothing it writes is visible until :func:`commit_shards`
+A :class:`ShardWriter` owns one shard: it streams encoded samples into each feature array's Zarr shard
+files chunk by chunk (:mod:`hsstore.shardfile`; a few chunks of memory per array, whatever the shard
+size), writes the arrays' ``zarr.json`` and the Arrow sample table last, and returns a
+:class:`ShardRecord` with every file's size and sha256. Nothing it writes is visible until :func:`commit_shards`
 adds the record to the manifest.
 
 Each attempt at a shard writes into its own folder ``shards/<shard_id>.<attempt>``: Ray may run a
@@ -21,7 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,7 @@ import pyarrow as pa
 
 from hsstore import codecs
 from hsstore.errors import CommitConflictError, ManifestError, StoreNotFoundError, StoreWriteError
-from hsstore.features import FeatureSpec
+from hsstore.features import SCALE_SUFFIX, FeatureSpec
 from hsstore.lineage import Lineage
 from hsstore.location import StoreLocation
 from hsstore.manifest import (
@@ -42,6 +43,7 @@ from hsstore.manifest import (
     parse_manifest,
     shard_checksum,
 )
+from hsstore.shardfile import ArrayStream, ChunkLayout, WrittenFile
 
 logger = logging.getLogger(__name__)
 
@@ -78,73 +80,6 @@ def _to_numpy_1d(values: Any, dtype: Any, what: str) -> np.ndarray:
     return array.astype(dtype, copy=False)
 
 
-class _ArrayBuffer:
-    """Encoded rows of one Zarr array, flushed in whole Zarr shard files by a thread pool.
-
-    Each flushed block covers whole Zarr shard files, so blocks never share a file and can be
-    written concurrently (zarr-python encodes and writes one shard at ~0.3 GB/s per thread, well
-    under what one GPU produces). The array grows by doubling, only while none of its blocks is in
-    flight, and is trimmed to the exact token count at the end.
-    """
-
-    def __init__(self, array: Any, shard_tokens: int, pool: ThreadPoolExecutor, max_in_flight: int):
-        self.array = array
-        self.shard_tokens = shard_tokens
-        self.pool = pool
-        self.max_in_flight = max_in_flight
-        self.pending: list[np.ndarray] = []
-        self.num_pending = 0
-        self.num_written = 0  # rows handed to the pool
-        self.capacity = 0
-        self.in_flight: list[Future[None]] = []
-
-    def append(self, rows: np.ndarray) -> None:
-        if len(rows):
-            self.pending.append(rows)
-            self.num_pending += len(rows)
-        if self.num_pending >= self.shard_tokens:
-            self.flush(final=False)
-
-    def flush(self, final: bool) -> None:
-        if not self.num_pending:
-            return
-        count = self.num_pending if final else (self.num_pending // self.shard_tokens) * self.shard_tokens
-        data = np.concatenate(self.pending, axis=0) if len(self.pending) > 1 else self.pending[0]
-        rest = data[count:]
-        self.pending = [rest] if len(rest) else []
-        self.num_pending = len(rest)
-        for offset in range(0, count, self.shard_tokens):
-            block = data[offset : min(offset + self.shard_tokens, count)]
-            start = self.num_written
-            stop = start + len(block)
-            if stop > self.capacity:
-                self.wait()  # never resize under a write in flight
-                self.capacity = max(stop, 2 * self.capacity)
-                self.array.resize((self.capacity, *self.array.shape[1:]))
-            while len(self.in_flight) >= self.max_in_flight:
-                self.in_flight.pop(0).result()
-            self.in_flight.append(self.pool.submit(self._write, start, stop, block))
-            self.num_written = stop
-
-    def _write(self, start: int, stop: int, block: np.ndarray) -> None:
-        self.array[start:stop] = block
-
-    def wait(self) -> None:
-        """Wait for every block in flight; re-raises the first write error."""
-        futures, self.in_flight = self.in_flight, []
-        errors = [f.exception() for f in futures]
-        for error in errors:
-            if error is not None:
-                raise error
-
-    def close(self) -> None:
-        """Flush the rest, wait, and trim the array to the rows written."""
-        self.flush(final=True)
-        self.wait()
-        if self.capacity != self.num_written:
-            self.array.resize((self.num_written, *self.array.shape[1:]))
-
-
 class ShardWriter:
     """Writes one shard. Not thread-safe; one process (one writer) per shard, as Zarr requires."""
 
@@ -155,15 +90,11 @@ class ShardWriter:
         features: Sequence[FeatureSpec],
         *,
         storage_options: dict[str, Any] | None = None,
-        write_threads: int | None = None,
     ):
         import zarr
 
         self.location = _as_location(url, storage_options)
         self.shard_id = check_shard_id(shard_id)
-        # Zarr shard files are written in parallel; bounded so buffered blocks stay a few hundred MB.
-        threads = write_threads or min(8, os.cpu_count() or 1)
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"hsstore-write-{shard_id}")
         self.features = {spec.name: spec for spec in features}
         self.folder = f"{SHARDS_DIR}/{shard_id}.{uuid.uuid4().hex[:12]}"
         # Locally, write under a dot-name and rename the finished folder into place.
@@ -171,32 +102,33 @@ class ShardWriter:
             f"{SHARDS_DIR}/.tmp-{self.folder.split('/')[-1]}" if self.location.is_local else self.folder
         )
         self.location.makedirs(self._work)
-        group = zarr.open_group(self.location.zarr_store(f"{self._work}/{FEATURES_DIR}", read_only=False), mode="w")
-        self._buffers: dict[str, _ArrayBuffer] = {}
+        self._group = zarr.open_group(
+            self.location.zarr_store(f"{self._work}/{FEATURES_DIR}", read_only=False), mode="w"
+        )
+        # Each array streams its chunks to its own files from its own thread (shardfile.ArrayStream);
+        # the arrays' zarr.json is written by zarr in finish(), once the token count is known.
+        self._streams: dict[str, ArrayStream] = {}
         for spec in features:
             for array_name in spec.array_names():
                 is_scale = array_name != spec.name
-                tail = spec.scale_shape if is_scale else spec.shape
-                dtype = "float32" if is_scale else spec.storage_dtype
-                chunk_tokens, shard_tokens = spec.chunk_tokens, spec.shard_tokens
+                chunk_tokens = spec.chunk_tokens or 1
+                shard_tokens = spec.shard_tokens
                 if is_scale:
                     # Scales are 4 bytes per token and layer: chunked like the values they would be
-                    # KB-sized, doubling the chunks a read touches and the files of an fp8 store.
-                    chunk_tokens, shard_tokens = SCALE_GROUPING * chunk_tokens, SCALE_GROUPING * shard_tokens
-                array = group.create_array(
-                    array_name,
-                    shape=(0, *tail),
-                    dtype=dtype,
-                    chunks=(chunk_tokens, *tail),
-                    shards=(shard_tokens, *tail),
-                    compressors=_compressors(spec, dtype),
-                    fill_value=0,
-                    attributes={"hsstore_feature": spec.name, "logical_dtype": spec.logical_dtype, "codec": spec.codec},
-                    # Zarr otherwise compares every chunk with the fill value to skip "empty" ones:
-                    # features are never all zero, and the check cut write speed 4x (measured).
-                    config={"write_empty_chunks": True},
+                    # KB-sized, doubling the chunks a read touches.
+                    chunk_tokens *= SCALE_GROUPING
+                    shard_tokens = None if shard_tokens is None else SCALE_GROUPING * shard_tokens
+                self._streams[array_name] = ArrayStream(
+                    self.location,
+                    f"{self._work}/{FEATURES_DIR}/{array_name}",
+                    tail=spec.scale_shape if is_scale else spec.shape,
+                    dtype="float32" if is_scale else spec.storage_dtype,
+                    chunk_tokens=chunk_tokens,
+                    shard_tokens=shard_tokens,
+                    compression=spec.compression,
+                    level=spec.compression_level,
                 )
-                self._buffers[array_name] = _ArrayBuffer(array, shard_tokens, self._pool, max_in_flight=threads)
+        self._written: list[WrittenFile] = []
         self._rows: dict[str, list[Any]] = {field.name: [] for field in SAMPLE_SCHEMA}
         self._sample_ids: set[str] = set()
         self.num_samples = 0
@@ -241,7 +173,7 @@ class ShardWriter:
             encoded.update(codecs.encode(spec, values))
         try:
             for array_name, rows in encoded.items():
-                self._buffers[array_name].append(rows)
+                self._streams[array_name].append(rows)
         except OSError as err:
             self.abort()  # a half-flushed buffer cannot be resumed; free the space it took
             raise self._write_error(err) from err
@@ -264,11 +196,10 @@ class ShardWriter:
             raise StoreWriteError(f"shard {self.shard_id}: finish() called twice")
         self._finished = True
         try:
-            for buffer in self._buffers.values():
-                buffer.flush(final=True)
-            for buffer in self._buffers.values():
-                buffer.close()
-            self._pool.shutdown()
+            for array_name, stream in self._streams.items():
+                shard_tokens, written = stream.close()
+                self._written.extend(written)
+                self._write_array_metadata(array_name, stream, shard_tokens)
             self._write_samples_table()
             if self.location.is_local:
                 self.location.rename_dir(self._work, self.folder)
@@ -293,10 +224,9 @@ class ShardWriter:
     def abort(self) -> None:
         """Remove this attempt's files (best effort; leftovers are garbage the manifest never names)."""
         self._finished = True
-        for buffer in self._buffers.values():
+        for stream in self._streams.values():
             with contextlib.suppress(Exception):
-                buffer.wait()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+                stream.abort()
         with contextlib.suppress(Exception):
             self.location.remove_tree(self._work)
 
@@ -320,12 +250,37 @@ class ShardWriter:
         with self.location.fs.open(path, "wb") as handle:
             handle.write(data)
 
+    def _write_array_metadata(self, array_name: str, stream: ArrayStream, shard_tokens: int) -> None:
+        """``zarr.json`` of one array, by zarr itself, declaring exactly what the stream wrote."""
+        spec = self.features[array_name.removesuffix(SCALE_SUFFIX)]
+        layout = ChunkLayout(stream.tail, stream.dtype, stream.chunk_tokens, shard_tokens, spec.compression, spec.compression_level)
+        self._group.create_array(
+            array_name,
+            shape=(stream.num_tokens, *stream.tail),
+            dtype=stream.dtype,
+            chunks=(stream.chunk_tokens, *stream.tail),
+            shards=(shard_tokens, *stream.tail),
+            compressors=layout.zarr_compressors(),
+            fill_value=0,
+            chunk_key_encoding={"name": "default", "separator": "/"},
+            attributes={"hsstore_feature": spec.name, "logical_dtype": spec.logical_dtype, "codec": spec.codec},
+        )
+
     def _describe(self) -> ShardRecord:
-        paths = self.location.list_files(self.folder)
+        # The data files were hashed while they were written; hash the rest (tables, zarr.json).
+        prefix = self._work + "/"
+        streamed = {self.folder + "/" + f.path.removeprefix(prefix): f for f in self._written}
+        paths = [p for p in self.location.list_files(self.folder) if p not in streamed]
         # hashlib releases the GIL on large blocks: hash the files side by side.
         with ThreadPoolExecutor(max_workers=min(8, len(paths) or 1)) as pool:
-            digests = list(pool.map(self.location.sha256, paths))
-        files = [FileEntry(path=p, size=size, sha256=digest) for p, (size, digest) in zip(paths, digests, strict=True)]
+            digests = dict(zip(paths, pool.map(self.location.sha256, paths), strict=True))
+        files = []
+        for path in self.location.list_files(self.folder):
+            if path in streamed:
+                files.append(FileEntry(path=path, size=streamed[path].size, sha256=streamed[path].sha256))
+            else:
+                size, digest = digests[path]
+                files.append(FileEntry(path=path, size=size, sha256=digest))
         return ShardRecord(
             shard_id=self.shard_id,
             path=self.folder,
@@ -343,23 +298,6 @@ def _list_array(values: list[np.ndarray], value_type: pa.DataType, dtype: Any) -
         np.cumsum([len(v) for v in values], out=offsets[1:])
     flat = np.concatenate(values).astype(dtype, copy=False) if values else np.zeros(0, dtype)
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(flat, value_type))
-
-
-def _compressors(spec: FeatureSpec, dtype: str) -> Any:
-    """Inner-chunk byte codecs: optional compression, then a crc32c of every inner chunk.
-
-    The crc32c is checked by zarr on every read, so a flipped byte is caught where it is read, at
-    ~3 GB/s of CPU and no extra I/O (hashing whole files before use would double cold reads).
-    ``hsstore verify`` still checks every file's sha256."""
-    from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
-
-    checksum = Crc32cCodec()
-    if spec.compression == "none":
-        return [checksum]
-    if spec.compression == "zstd":
-        return [ZstdCodec(level=spec.compression_level), checksum]
-    typesize = np.dtype(dtype).itemsize
-    return [BloscCodec(cname="zstd", clevel=spec.compression_level, shuffle="shuffle", typesize=typesize), checksum]
 
 
 # -- committing ---------------------------------------------------------------------------------
