@@ -50,6 +50,7 @@ import torch
 
 import hsstore
 from hsstore.loader import StreamingLoader, to_device
+from hsstore.writer import SCALE_GROUPING
 
 NUM_AUX = 3
 FILES_PER_FOLDER = 2000  # SpecForge/ModelOpt-style dumps: rows/<folder>/data_<i>.ckpt
@@ -80,10 +81,8 @@ class Settings:
     prefetch_batches: int
     baseline_threads: int
     shuffle_window: int
-    merge_gap_tokens: int
-    chunk_mib: float
-    chunk_tokens: dict[int, int]  # per hidden size; missing: from chunk_mib
-    shard_chunks: int
+    chunk_tokens: dict[int, int]  # per hidden size; missing: FeatureSpec's default
+    shard_chunks: int | None  # None: one Zarr shard file per array per store shard
     compression_level: int
     shard_max_tokens: int
     cold: str  # "drop", "fadvise" or "skip"
@@ -188,21 +187,20 @@ def write_per_sample(root: Path, samples: list[Sample]) -> None:
 
 
 def store_specs(layout: str, hidden: int, settings: Settings) -> list[hsstore.FeatureSpec]:
-    """Both features get the same tokens per inner chunk: ``--chunk-tokens``, or as many as fit in
-    ``--chunk-mib`` of aux values. Reads are sample-sized and whole chunks are read, so a chunk's
-    length in tokens next to a sample's matters as much as its bytes (zarr's per-chunk cost)."""
+    """Both features get ``--chunk-tokens`` tokens per inner chunk if given, else FeatureSpec's
+    default (a power of two of at most 2 MiB and 1,024 tokens per array, so the final state's chunks
+    hold more tokens than the aux states')."""
     codec, compression = STORE_CODECS[layout]
-    itemsize = 1 if codec == "fp8_e4m3" else 2
-    chunk_tokens = settings.chunk_tokens.get(hidden) or max(1, int(settings.chunk_mib * (1 << 20)) // (NUM_AUX * hidden * itemsize))
-    common = {
+    common: dict[str, Any] = {
         "codec": codec,
         "compression": compression,
         "compression_level": settings.compression_level,
         "shard_chunks": settings.shard_chunks,
+        "chunk_tokens": settings.chunk_tokens.get(hidden) or None,
     }
     return [
-        hsstore.FeatureSpec(name=FEATURES[0], shape=(NUM_AUX, hidden), chunk_bytes=chunk_tokens * NUM_AUX * hidden * itemsize, **common),
-        hsstore.FeatureSpec(name=FEATURES[1], shape=(hidden,), chunk_bytes=chunk_tokens * hidden * itemsize, **common),
+        hsstore.FeatureSpec(name=FEATURES[0], shape=(NUM_AUX, hidden), **common),
+        hsstore.FeatureSpec(name=FEATURES[1], shape=(hidden,), **common),
     ]
 
 
@@ -310,9 +308,9 @@ def read_store(root: Path, seed: int, settings: Settings, decode: bool) -> dict[
     reads: list[tuple[int, int]] = []  # (start, stop) of every read the loader issues
     read_token_range = store.read_token_range
 
-    def counted(shard_id: str, start: int, stop: int, features: Any = None) -> dict[str, np.ndarray]:
+    def counted(shard_id: str, start: int, stop: int, features: Any = None, **kwargs: Any) -> dict[str, np.ndarray]:
         reads.append((start, stop))  # list.append is atomic under the GIL
-        return read_token_range(shard_id, start, stop, features)
+        return read_token_range(shard_id, start, stop, features, **kwargs)
 
     store.read_token_range = counted  # type: ignore[method-assign]
     loader = StreamingLoader(
@@ -323,7 +321,6 @@ def read_store(root: Path, seed: int, settings: Settings, decode: bool) -> dict[
         shuffle_window=settings.shuffle_window,
         read_threads=settings.read_threads,
         prefetch_batches=settings.prefetch_batches,
-        merge_gap_tokens=settings.merge_gap_tokens,
     )
     loader.num_batches(0)
     setup = time.perf_counter() - started
@@ -338,7 +335,7 @@ def read_store(root: Path, seed: int, settings: Settings, decode: bool) -> dict[
         tokens += batch.num_real_tokens
         batches += 1
     seconds = time.perf_counter() - started
-    chunk_tokens = store.features[FEATURES[0]].chunk_tokens
+    chunk_tokens = store.features[FEATURES[0]].chunk_tokens or 1
     chunks = sum((stop - 1) // chunk_tokens - start // chunk_tokens + 1 for start, stop in reads if stop > start)
     return {
         "seconds": seconds, "setup_s": setup, "tokens": tokens, "batches": batches, "decode_s": decode_s,
@@ -425,8 +422,12 @@ def data_files_per_million(layout: str, hidden: int, settings: Settings, mean_le
         return 1e6 / mean_len
     per_shard = 2  # samples.arrow + the features.zarr group's zarr.json
     for spec in store_specs(layout, hidden, settings):
-        for _ in spec.array_names():
-            per_shard += 1 + -(-settings.shard_max_tokens // spec.shard_tokens)  # zarr.json + data
+        for name in spec.array_names():
+            shard_tokens = spec.shard_tokens
+            if shard_tokens is not None and name != spec.name:
+                shard_tokens *= SCALE_GROUPING
+            # zarr.json + data files (one per store shard when shard_chunks is None)
+            per_shard += 1 + (1 if shard_tokens is None else -(-settings.shard_max_tokens // shard_tokens))
     return per_shard * 1e6 / settings.shard_max_tokens
 
 
@@ -606,9 +607,11 @@ def machine_info() -> dict[str, Any]:
 
 
 def parse_chunk_tokens(text: str, hidden_sizes: list[int]) -> dict[int, int]:
-    """``"256"`` (every hidden size) or ``"4096:256,384:1024"``; 0 means "derive from --chunk-mib"."""
+    """``"256"`` (every hidden size) or ``"4096:256,384:1024"``; empty or 0: FeatureSpec's default."""
+    if not text.strip():
+        return {}
     if ":" not in text:
-        return {h: int(text) for h in hidden_sizes}
+        return {h: int(text) for h in hidden_sizes if int(text)}
     pairs = (item.split(":") for item in text.split(",") if item.strip())
     return {int(h): int(n) for h, n in pairs}
 
@@ -631,12 +634,10 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     parser.add_argument("--prefetch-batches", type=int, default=4)
     parser.add_argument("--baseline-threads", type=int, default=4, help="per-sample loads in flight")
     parser.add_argument("--shuffle-window", type=int, default=1024, help="samples (loader)")
-    parser.add_argument("--merge-gap-tokens", type=int, default=256)
-    parser.add_argument("--chunk-mib", type=float, default=4.0, help="aux inner chunk MiB when --chunk-tokens is 0 (FeatureSpec's default is 4)")
-    parser.add_argument("--chunk-tokens", default="4096:256,384:1024", help="tokens per inner chunk: N for every hidden size, or H:N,H:N (hidden sizes not named use --chunk-mib)")
-    parser.add_argument("--shard-chunks", type=int, default=64)
+    parser.add_argument("--chunk-tokens", default="", help="tokens per inner chunk: N for every hidden size, or H:N,H:N (default and hidden sizes not named: FeatureSpec's default)")
+    parser.add_argument("--shard-chunks", type=int, default=0, help="inner chunks per Zarr shard file; 0: one file per array per store shard (the default)")
     parser.add_argument("--compression-level", type=int, default=1)
-    parser.add_argument("--shard-max-tokens", type=int, default=1 << 20)
+    parser.add_argument("--shard-max-tokens", type=int, default=4 << 20, help="tokens per store shard (also what 'files per Mtok at scale' assumes)")
     parser.add_argument("--cold", choices=["auto", "drop", "fadvise", "skip"], default="auto")
     parser.add_argument("--no-bits-only", action="store_true", help="skip the undecoded store epochs")
     parser.add_argument("--seed", type=int, default=0)
@@ -656,7 +657,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
         token_budget=args.token_budget, max_len=args.max_len, mean_len=args.mean_len,
         read_threads=args.read_threads, prefetch_batches=args.prefetch_batches,
         baseline_threads=args.baseline_threads, shuffle_window=args.shuffle_window,
-        merge_gap_tokens=args.merge_gap_tokens, chunk_mib=args.chunk_mib, chunk_tokens=parse_chunk_tokens(args.chunk_tokens, hidden_sizes), shard_chunks=args.shard_chunks,
+        chunk_tokens=parse_chunk_tokens(args.chunk_tokens, hidden_sizes), shard_chunks=args.shard_chunks or None,
         compression_level=args.compression_level, shard_max_tokens=args.shard_max_tokens,
         cold=args.cold, bits_only=not args.no_bits_only, seed=args.seed, workdir=args.workdir,
     )

@@ -4,10 +4,9 @@ The plan (which samples go into which row of which batch, per rank and epoch) co
 :mod:`hsstore.packing` and is a pure function of the seed, the epoch, the manifest's shard list and
 the sample lengths; this module executes it:
 
-- **Reads** are long contiguous token ranges (:meth:`Store.read_token_range`): the samples of a few
-  upcoming batches are grouped by shard, sorted by offset and coalesced (gaps up to
-  ``merge_gap_tokens`` are read through), with ``read_threads`` reads in flight and batches
-  assembled ahead of the consumer.
+- **Reads** go straight into the batch: the buffers of a few upcoming batches are allocated and each
+  sample's token range is read into its place (:meth:`Store.read_token_range` with ``out=``, one
+  ``preadv`` per array, crc32c-checked), ``read_threads`` reads in flight, ahead of the consumer.
 - **Bits stay bits** on the host: bf16 as uint16, fp8 as uint8 plus float32 scales. Decoding happens
   in :func:`to_device` on the training device (a bf16 view, or an fp8 cast times the scale), so the
   host moves half (bf16) or a quarter (fp8) of the float32 bytes.
@@ -55,6 +54,10 @@ logger = logging.getLogger(__name__)
 
 # (epoch, batch index, rows of global sample indices): one batch of a read group.
 _GroupItem = tuple[int, int, list[np.ndarray]]
+# (epoch, batch index, rows of sample indices, feature buffers being read into)
+_PlannedBatch = tuple[int, int, list[list[int]], dict[str, np.ndarray]]
+# (position of its batch in the group, sample, the read in flight)
+_Read = tuple[int, int, Future[None]]
 
 
 @dataclass(frozen=True)
@@ -183,7 +186,6 @@ class StreamingLoader:
         long_samples: LongSamples = "error",
         read_threads: int = 4,
         prefetch_batches: int = 4,
-        merge_gap_tokens: int = 256,
         skip_corrupt: bool = False,
     ) -> None:
         self.store = open_store(store) if isinstance(store, (str, os.PathLike)) else store
@@ -203,7 +205,6 @@ class StreamingLoader:
         self.long_samples: LongSamples = long_samples
         self.read_threads = read_threads
         self.prefetch_batches = prefetch_batches
-        self.merge_gap_tokens = merge_gap_tokens
         self.skip_corrupt = skip_corrupt
         self._catalog = _build_catalog(self.store)
         self._plans: dict[int, EpochPlan] = {}
@@ -323,8 +324,8 @@ class StreamingLoader:
                     for _, (epoch, j) in zip(range(group_size), mine, strict=False)
                 ]
                 if group:
-                    reads = self._submit_reads(group, readers)
-                    pending.append(assembler.submit(self._assemble_group, group, reads))
+                    planned, reads = self._start_group(group, readers)
+                    pending.append(assembler.submit(self._finish_group, planned, reads))
                 if not pending:
                     return
                 # Keep one group reading while the oldest is consumed.
@@ -339,29 +340,42 @@ class StreamingLoader:
     def _clipped_length(self, sample: int) -> int:
         return int(min(self._catalog.num_tokens[sample], self.token_budget))
 
-    def _submit_reads(
-        self, group: list[_GroupItem], pool: ThreadPoolExecutor
-    ) -> list[tuple[int, int, int, list[int], Future[dict[str, np.ndarray]]]]:
-        """Coalesce the group's samples into (shard, start, stop) ranges and start reading them."""
-        samples = sorted(
-            {int(s) for _, _, rows in group for row in rows for s in row},
-            key=lambda s: (self._catalog.shard_of[s], self._catalog.token_offset[s]),
-        )
-        ranges: list[tuple[int, int, int, list[int]]] = []
-        for s in samples:
-            shard = int(self._catalog.shard_of[s])
-            begin = int(self._catalog.token_offset[s])
-            end = begin + self._clipped_length(s)
-            if ranges and ranges[-1][0] == shard and begin - ranges[-1][2] <= self.merge_gap_tokens:
-                last = ranges[-1]
-                ranges[-1] = (shard, last[1], max(last[2], end), [*last[3], s])
-            else:
-                ranges.append((shard, begin, end, [s]))
-        return [(*r, pool.submit(self._read_range, r[0], r[1], r[2])) for r in ranges]
+    def _allocate(self, num_rows: int) -> dict[str, np.ndarray]:
+        """Zeroed feature buffers of one batch, in stored dtypes (padding stays zero)."""
+        arrays: dict[str, np.ndarray] = {}
+        for name, spec in self.specs.items():
+            for array_name in spec.array_names():
+                per_token = spec.shape if array_name == name else spec.scale_shape
+                dtype = np.dtype(spec.storage_dtype) if array_name == name else np.dtype(np.float32)
+                arrays[array_name] = np.zeros((num_rows, self.token_budget, *per_token), dtype=dtype)
+        return arrays
 
-    def _read_range(self, shard: int, start: int, stop: int) -> dict[str, np.ndarray]:
-        shard_id = self._catalog.shard_ids[shard]
-        return self.store.read_token_range(shard_id, start, stop, self.features)
+    def _start_group(self, group: list[_GroupItem], pool: ThreadPoolExecutor) -> tuple[list[_PlannedBatch], list[_Read]]:
+        """Allocate the group's batches and start reading every sample straight into its place.
+
+        One read per sample: :meth:`Store.read_token_range` scatters the sample's rows into the batch
+        buffer with one ``preadv`` per array (hsstore.shardfile), so the bytes are copied once, by the
+        kernel, instead of into a range buffer first and then into the batch.
+        """
+        batches: list[_PlannedBatch] = []
+        reads: list[_Read] = []
+        for n, (epoch, j, planned) in enumerate(group):
+            rows = [[int(s) for s in row] for row in planned]
+            arrays = self._allocate(len(rows))
+            for b, row in enumerate(rows):
+                cursor = 0
+                for s in row:
+                    length = self._clipped_length(s)
+                    out = {key: array[b, cursor : cursor + length] for key, array in arrays.items()}
+                    reads.append((n, s, pool.submit(self._read_into, s, length, out)))
+                    cursor += length
+            batches.append((epoch, j, rows, arrays))
+        return batches, reads
+
+    def _read_into(self, sample: int, length: int, out: dict[str, np.ndarray]) -> None:
+        shard_id = self._catalog.shard_ids[int(self._catalog.shard_of[sample])]
+        offset = int(self._catalog.token_offset[sample])
+        self.store.read_token_range(shard_id, offset, offset + length, self.features, out=out)
 
     def _columns(self, shard: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(input_ids values, offsets, loss_mask values, offsets) of a shard's Arrow table."""
@@ -387,63 +401,37 @@ class StreamingLoader:
         row = int(self._catalog.row_of[sample])
         return ids[ids_off[row] : ids_off[row] + length], mask[mask_off[row] : mask_off[row] + length]
 
-    def _resolve_reads(
-        self, reads: list[tuple[int, int, int, list[int], Future[dict[str, np.ndarray]]]]
-    ) -> tuple[dict[int, tuple[dict[str, np.ndarray], int]], set[int], float, int]:
-        """Wait for the reads: per sample (range arrays, offset within them); plus the skipped set."""
-        located: dict[int, tuple[dict[str, np.ndarray], int]] = {}
-        skipped: set[int] = set()
+    def _finish_group(self, batches: list[_PlannedBatch], reads: list[_Read]) -> list[HostBatch]:
+        """Wait for the group's reads and complete its batches (token columns, document layout)."""
         started = time.perf_counter()
-        num_bytes = 0
-        for shard, begin, _end, members, future in reads:
+        failed: dict[int, set[int]] = {}  # batch position in the group -> samples that did not read
+        for n, s, future in reads:
             try:
-                raw = future.result()
+                future.result()
             except (ShardCorruptError, OSError) as err:
+                name = self._catalog.sample_names[s]
                 if not self.skip_corrupt:
-                    names = ", ".join(self._catalog.sample_names[s] for s in members[:3])
                     raise ShardCorruptError(
-                        f"reading samples {names}{' ...' if len(members) > 3 else ''} failed: {err} "
+                        f"reading sample {name} failed: {err} "
                         "(set skip_corrupt to skip unreadable samples and count them)"
                     ) from err
-                # Isolate the bad samples: re-read one by one, keep what reads.
-                for s in members:
-                    offset = int(self._catalog.token_offset[s])
-                    try:
-                        one = self._read_range(shard, offset, offset + self._clipped_length(s))
-                    except (ShardCorruptError, OSError) as one_err:
-                        logger.warning("skipping sample %s: %s", self._catalog.sample_names[s], one_err)
-                        skipped.add(s)
-                        continue
-                    located[s] = (one, 0)
-                    num_bytes += sum(a.nbytes for a in one.values())
-                continue
-            num_bytes += sum(a.nbytes for a in raw.values())
-            for s in members:
-                located[s] = (raw, int(self._catalog.token_offset[s]) - begin)
-        return located, skipped, time.perf_counter() - started, num_bytes
-
-    def _assemble_group(
-        self,
-        group: list[_GroupItem],
-        reads: list[tuple[int, int, int, list[int], Future[dict[str, np.ndarray]]]],
-    ) -> list[HostBatch]:
-        located, skipped, wait_s, num_bytes = self._resolve_reads(reads)
-        self.num_skipped_samples += len(skipped)
-        specs = self.specs
+                logger.warning("skipping sample %s: %s", name, err)
+                failed.setdefault(n, set()).add(s)
+        wait_s = time.perf_counter() - started
+        bytes_per_token = sum(
+            int(np.prod(a.shape[2:], dtype=np.int64)) * a.itemsize for a in batches[0][3].values()
+        ) if batches else 0
         out = []
-        for n, (epoch, j, planned) in enumerate(group):
-            rows = [[int(s) for s in row if int(s) not in skipped] for row in planned]
-            num_skipped = sum(len(row) for row in planned) - sum(len(r) for r in rows)
+        for n, (epoch, j, rows, arrays) in enumerate(batches):
+            skipped = failed.get(n, set())
+            num_planned = sum(len(row) for row in rows)
+            if skipped:
+                rows, arrays = self._without(rows, arrays, skipped)
+                self.num_skipped_samples += num_planned - sum(len(row) for row in rows)
             layout = layout_rows([[self._clipped_length(s) for s in row] for row in rows], self.token_budget)
             shape = (len(rows), self.token_budget)
             input_ids = np.zeros(shape, dtype=np.int64)
             loss_mask = np.zeros(shape, dtype=np.uint8)
-            features: dict[str, np.ndarray] = {}
-            for name, spec in specs.items():
-                for array_name in spec.array_names():
-                    per_token = spec.shape if array_name == name else spec.scale_shape
-                    dtype = np.float32 if array_name != name else np.dtype(spec.storage_dtype)
-                    features[array_name] = np.zeros((*shape, *per_token), dtype=dtype)
             for b, row in enumerate(rows):
                 cursor = 0
                 for s in row:
@@ -451,9 +439,6 @@ class StreamingLoader:
                     ids, mask = self._sample_tokens(s, length)
                     input_ids[b, cursor : cursor + length] = ids
                     loss_mask[b, cursor : cursor + length] = mask
-                    raw, offset = located[s]
-                    for array_name, target in features.items():
-                        target[b, cursor : cursor + length] = raw[array_name][offset : offset + length]
                     cursor += length
             out.append(
                 HostBatch(
@@ -466,15 +451,32 @@ class StreamingLoader:
                     doc_remaining=layout.doc_remaining,
                     doc_lengths=layout.doc_lengths,
                     sample_indices=rows,
-                    features=features,
+                    features=arrays,
                     num_real_tokens=layout.num_real_tokens,
-                    num_skipped_samples=num_skipped,
-                    # The group's read time and bytes are reported once, on its first batch.
+                    num_skipped_samples=num_planned - sum(len(row) for row in rows),
+                    # The group's read time is reported once, on its first batch.
                     read_seconds=wait_s if n == 0 else 0.0,
-                    bytes_read=num_bytes if n == 0 else 0,
+                    bytes_read=layout.num_real_tokens * bytes_per_token,
                 )
             )
         return out
+
+    def _without(
+        self, rows: list[list[int]], arrays: dict[str, np.ndarray], skipped: set[int]
+    ) -> tuple[list[list[int]], dict[str, np.ndarray]]:
+        """The batch with the unreadable samples taken out: the rest move up within their row."""
+        kept = [[s for s in row if s not in skipped] for row in rows]
+        packed = self._allocate(len(rows))
+        for b, row in enumerate(rows):
+            source = target = 0
+            for s in row:
+                length = self._clipped_length(s)
+                if s not in skipped:
+                    for key, array in arrays.items():
+                        packed[key][b, target : target + length] = array[b, source : source + length]
+                    target += length
+                source += length
+        return kept, packed
 
 
 @dataclass

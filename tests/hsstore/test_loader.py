@@ -277,7 +277,7 @@ def test_corrupt_shard_stops_or_is_skipped_and_counted(tmp_path: Path) -> None:
     url = str(tmp_path / "store")
     write_store(url, LENGTHS[:20], shard_max_tokens=300)
     shard_id = _corrupt_one_shard(url)
-    with pytest.raises(hsstore.ShardCorruptError, match=rf"reading samples .*shard {shard_id}.*skip_corrupt"):
+    with pytest.raises(hsstore.ShardCorruptError, match=rf"reading sample .*shard {shard_id}.*skip_corrupt"):
         list(make_loader(url).batches(max_epochs=1))
     loader = make_loader(url, skip_corrupt=True)
     batches = list(loader.batches(max_epochs=1))
