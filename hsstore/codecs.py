@@ -16,7 +16,7 @@ instead of a float32 detour (see :func:`decode_torch`). The on-disk format is un
 written with arbitrary scales still decode exactly as before.
 
 Error bound (tested): ``|x' - x| <= max(2^-4 |x|, 2^-10 scale) + 2^-134``, for ``|x| <= 2^127``;
-the last term is bf16's subnormal rounding, reached only by rows with ``amax < 2^-108``.
+the last term is bf16's subnormal rounding, reached only by rows with ``amax < 2^-109``.
 
 Encoding accepts numpy arrays or torch tensors (on any device: fp8 scaling runs where the tensor is,
 so a GPU ships a quarter of the bytes). Decoding to numpy needs no torch; :func:`decode_torch` is the
@@ -327,8 +327,8 @@ def _scales_exact_in_bf16(scale_t: torch.Tensor) -> bool:
     Then every e4m3 value times its scale is zero or a normal bf16 (2^-9 * 2^-117 = 2^-126 at the
     bottom, 1.75 * 2^8 * 2^119 < 2^128 at the top) with at most 4 significant bits: the bf16
     multiply is exact, whatever the kernel's rounding or denormal mode. Encoded scales lie in
-    [2^-126, 2^120]; rows outside this range (amax below ~2^-108 or above ~2^127) are so rare that
-    they simply take the float32 route.
+    [2^-126, 2^120]; batches with a row outside this range (amax below ~2^-109 or above
+    1.75 * 2^127) are so rare that they simply take the float32 route.
     """
     import torch
 
