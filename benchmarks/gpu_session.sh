@@ -33,7 +33,7 @@ write-extract-train)
   mkdir -p "$WORK/write" "$WORK/extract"
   [ -f "$WORK/draft_train.jsonl" ] || gunzip -c .bench/draft_train.jsonl.gz > "$WORK/draft_train.jsonl"
   export HSSTORE_TRAIN_DATA="$WORK/draft_train.jsonl"
-  python3 benchmarks/bench_shard_write.py --hidden 4096 --tokens 65536 --threads 1 4 --repeats 1 --dir "$WORK/write" --out "$OUT/bench_shard_write.json" 2>&1 | tail -n 8
+  python3 benchmarks/bench_shard_write.py --hidden 4096 --tokens 65536 --shard-chunks 0 64 --repeats 1 --dir "$WORK/write" --out "$OUT/bench_shard_write.json" 2>&1 | tail -n 8
   python3 benchmarks/bench_extract.py --models ${EXTRACT_MODELS:-reference,qwen3-8b} --store-dir "$WORK/extract" --out "$OUT/bench_extract.json" 2>&1 | tail -n 6
   python3 benchmarks/bench_train.py --device cuda ${TRAIN_ARGS:-} --out "$OUT/bench_train.json" 2>&1 | tail -n 30
   ;;

@@ -93,8 +93,13 @@ class CodecsSection(RecipeModel):
     aux_hidden_states: CodecChoice = Field(default_factory=CodecChoice)
     final_hidden_state: CodecChoice = Field(default_factory=CodecChoice)
     topk_logits: CodecChoice = Field(default_factory=lambda: CodecChoice(codec="float32"))
-    chunk_bytes: int = Field(
-        4 << 20, ge=1024, description="inner Zarr chunk size (unit of reading)"
+    chunk_bytes: int | None = Field(
+        None,
+        ge=1024,
+        description=(
+            "inner Zarr chunk target in bytes (the unit of reading); unset: FeatureSpec's "
+            "token-sized default (a power of two within 2 MiB, at most 1,024 tokens)"
+        ),
     )
 
     @field_validator("aux_hidden_states", "final_hidden_state", "topk_logits")
