@@ -261,3 +261,25 @@ def test_decode_torch_refuses_an_unfit_out(make_out, message):
     raw = codecs.encode(fp8_spec((8,)), np.ones((3, 8), np.float32))
     with pytest.raises(CodecError, match=rf"feature 'x': .*{message}"):
         codecs.decode_torch(fp8_spec((8,)), raw, out=make_out())
+
+
+# --- GPU --------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_fp8_on_a_gpu_matches_the_cpu_bit_for_bit():
+    """Scales come from exact exponent arithmetic, so a GPU writer and a CPU writer store the same
+    bits; and the GPU's native float8 cast decodes to what the CPU's table gather gives."""
+    generator = torch.Generator().manual_seed(3)
+    magnitudes = 2.0 ** torch.randint(-110, 110, (64, 3, 1), generator=generator).float()
+    values = torch.randn(64, 3, 256, generator=generator) * magnitudes
+    values[5] = 0.0
+    feature = fp8_spec((3, 256))
+    on_cpu = codecs.encode(feature, values)
+    on_gpu = codecs.encode(feature, values.cuda())
+    for name in ("x", "x.scale"):
+        np.testing.assert_array_equal(on_gpu[name], on_cpu[name])
+    decoded_cpu = codecs.decode_torch(feature, on_cpu)
+    decoded_gpu = codecs.decode_torch(feature, on_cpu, device="cuda")
+    assert decoded_gpu.device.type == "cuda"
+    assert torch.equal(decoded_gpu.cpu().view(torch.int16), decoded_cpu.view(torch.int16))
