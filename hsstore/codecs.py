@@ -326,7 +326,7 @@ def _gather(table: np.ndarray, indices: np.ndarray, out: np.ndarray) -> None:
 
 
 def _scales_exact_in_bf16(scale_t: torch.Tensor) -> bool:
-    """Whether every scale is a float32 power of two in [2^-117, 2^119] (read from its bits).
+    """Whether every scale is +0.0 or a float32 power of two in [2^-117, 2^119] (read from its bits).
 
     Then every e4m3 value times its scale is zero or a normal bf16 (2^-9 * 2^-117 = 2^-126 at the
     bottom, 1.75 * 2^8 * 2^119 < 2^128 at the top) with at most 4 significant bits: the bf16
@@ -342,7 +342,8 @@ def _scales_exact_in_bf16(scale_t: torch.Tensor) -> bool:
     exponent = (scale_bits >> 23) & 0xFF
     power_of_two = (scale_bits & 0x7FFFFF) == 0
     in_range = (exponent >= 127 - 117) & (exponent <= 127 + 119)
-    return bool((power_of_two & in_range).all())
+    # +0.0 is exact too (every product is zero): batch buffers hold it on their padding tokens.
+    return bool(((power_of_two & in_range) | (scale_bits == 0)).all())
 
 
 def _decode_fp8_cpu_bf16(bits_t: torch.Tensor, scale_t: torch.Tensor, out: torch.Tensor) -> None:

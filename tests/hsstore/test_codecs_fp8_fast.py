@@ -283,3 +283,17 @@ def test_fp8_on_a_gpu_matches_the_cpu_bit_for_bit():
     decoded_gpu = codecs.decode_torch(feature, on_cpu, device="cuda")
     assert decoded_gpu.device.type == "cuda"
     assert torch.equal(decoded_gpu.cpu().view(torch.int16), decoded_cpu.view(torch.int16))
+
+
+def test_fp8_zero_scales_of_batch_padding_keep_the_fast_path(monkeypatch):
+    """Loader batches hold scale 0 on padding tokens: that must not send the batch down the float32
+    route (it did, and made CPU decoding of fp8 stores 4x slower in bench_store)."""
+    calls = []
+    fast = codecs._decode_fp8_cpu_bf16
+    monkeypatch.setattr(codecs, "_decode_fp8_cpu_bf16", lambda *a: calls.append(1) or fast(*a))
+    bits = np.arange(256, dtype=np.uint8).reshape(2, 128)
+    bits[1] = 0  # a padding row: zero bits, zero scale
+    scale = np.array([2.0**-3, 0.0], dtype=np.float32)
+    decoded = codecs.decode_torch(fp8_spec((128,)), {"x": bits, "x.scale": scale})
+    assert calls == [1]
+    assert_bits_match(decoded, reference_bf16_bits(bits, scale))
