@@ -9,10 +9,11 @@ layout and reads each back as a shuffled epoch of bf16 torch tensors, cold and w
   page faults are the read) and the consumer packs samples into rows of ``--token-budget`` tokens.
 - ``store <codec>``: this store (bf16, bf16+zstd, fp8_e4m3, fp8_e4m3+zstd, fp8_e4m3+blosc), read with
   the library's own :class:`hsstore.loader.StreamingLoader` (shard order + windowed shuffle, long
-  coalesced ``Store.read_token_range`` reads, several in flight, rows packed to the same budget),
-  then decoded to bf16 with :func:`hsstore.loader.to_device` -> :func:`hsstore.codecs.decode_torch`
-  on the CPU. Each store epoch is also timed "bits only" (no decode): what the host hands a GPU,
-  which decodes there (the production path; fp8 decoding on the CPU is slow, see RESULTS.md).
+  ``Store.read_token_range`` reads straight into the batch buffers, several in flight, rows packed
+  to the same budget), decoded to bf16 tensors on the CPU (``decode_on_host=True``: fp8 is decoded
+  by the loader's assembler thread with :func:`hsstore.codecs.decode_torch`, then
+  :func:`hsstore.loader.to_device` views the bf16 bits). Each store epoch is also timed "bits only"
+  (no decode): what the host hands a GPU, which decodes there (the production path).
 
 Runs of different layouts are interleaved (repeat 1 of every layout, then repeat 2, ...) so that
 load from other processes on a shared machine hits every layout alike; medians are reported.
@@ -86,6 +87,7 @@ class Settings:
     compression_level: int
     shard_max_tokens: int
     cold: str  # "drop", "fadvise" or "skip"
+    disk_mbps: int  # > 0: also cold epochs with the disk's reads throttled to this (blkio cgroup)
     bits_only: bool
     workdir: Path | None  # None: a fresh folder made by main()
     seed: int
@@ -321,6 +323,8 @@ def read_store(root: Path, seed: int, settings: Settings, decode: bool) -> dict[
         shuffle_window=settings.shuffle_window,
         read_threads=settings.read_threads,
         prefetch_batches=settings.prefetch_batches,
+        # A CPU consumer: fp8 is decoded by the loader's assembler thread, overlapping the reads.
+        decode_on_host=decode,
     )
     loader.num_batches(0)
     setup = time.perf_counter() - started
@@ -402,6 +406,26 @@ def drop_cache(root: Path, method: str) -> None:
             os.close(fd)
 
 
+BLKIO = Path("/sys/fs/cgroup/blkio")
+
+
+@contextlib.contextmanager
+def throttled_disk(root: Path, mbps: int) -> Iterator[None]:
+    """Run the body with this process's block-device reads limited to ``mbps`` MB/s (cgroup v1
+    blkio throttle on the device holding ``root``): a disk or network filesystem slower than this
+    VM's, whose "cold" reads are served at ~3 GB/s from the host's cache (dd after drop_caches).
+    Only real device reads are throttled; the page cache is not."""
+    group = BLKIO / "hsstore-bench"
+    group.mkdir(exist_ok=True)
+    dev = os.stat(root).st_dev
+    (group / "blkio.throttle.read_bps_device").write_text(f"{os.major(dev)}:{os.minor(dev)} {mbps * 1_000_000}\n")
+    (group / "cgroup.procs").write_text(f"{os.getpid()}\n")  # the whole process, every thread
+    try:
+        yield
+    finally:
+        (BLKIO / "cgroup.procs").write_text(f"{os.getpid()}\n")
+
+
 def choose_cold_method(requested: str) -> str:
     if requested != "auto":
         return requested
@@ -441,7 +465,7 @@ def run_hidden(hidden: int, settings: Settings, cold_method: str, log: Any) -> d
         f"features (generated in {time.perf_counter() - t:.1f}s)")
     assert settings.workdir is not None, "main() picks the working folder"
     roots = {layout: settings.workdir / f"h{hidden}" / layout.replace(" ", "_").replace("+", "-") for layout in settings.layouts}
-    results: dict[str, dict[str, Any]] = {layout: {"write": [], "cold": [], "warm": [], "cold_bits": [], "warm_bits": [], "resident_before_cold": []} for layout in settings.layouts}
+    results: dict[str, dict[str, Any]] = {layout: {"write": [], "cold": [], "warm": [], "cold_bits": [], "warm_bits": [], "slow": [], "slow_bits": [], "resident_before_cold": []} for layout in settings.layouts}
 
     for rep in range(settings.write_repeats):
         for layout in settings.layouts:
@@ -461,9 +485,11 @@ def run_hidden(hidden: int, settings: Settings, cold_method: str, log: Any) -> d
     modes = [("cold", True), ("warm", True)]
     if settings.bits_only:
         modes += [("cold_bits", False), ("warm_bits", False)]
+    if settings.disk_mbps and cold_method == "drop":
+        modes += [("slow", True)] + ([("slow_bits", False)] if settings.bits_only else [])
     for mode, decode in modes:
         layouts = [lay for lay in settings.layouts if decode or lay != BASELINE]
-        if mode.startswith("cold") and cold_method == "skip":
+        if mode.startswith(("cold", "slow")) and cold_method == "skip":
             continue
         if mode.startswith("warm"):
             for layout in layouts:  # warm-up epoch, untimed
@@ -476,12 +502,14 @@ def run_hidden(hidden: int, settings: Settings, cold_method: str, log: Any) -> d
                         min(1.0, resident / max(1, sum(f.stat().st_size for f in files))))  # pages round up
         for rep in range(settings.repeats):
             for layout in layouts:
-                if mode.startswith("cold"):
+                if mode.startswith(("cold", "slow")):
                     drop_cache(roots[layout], cold_method)
                     if rep == 0:  # check the drop worked, then drop again: fincore opened every file
                         results[layout]["resident_before_cold"].append(resident_bytes(list_files(roots[layout])))
                         drop_cache(roots[layout], cold_method)
-                run = measured(one_read, layout, settings.seed + 1 + rep, decode)
+                throttle = throttled_disk(roots[layout], settings.disk_mbps) if mode.startswith("slow") else contextlib.nullcontext()
+                with throttle:
+                    run = measured(one_read, layout, settings.seed + 1 + rep, decode)
                 run["tokens_per_s"] = run["tokens"] / run["seconds"]
                 results[layout][mode].append(run)
                 log(f"  {mode:9s} {layout:22s} rep {rep}: {run['tokens_per_s']:9.0f} tokens/s "
@@ -506,8 +534,8 @@ def run_hidden(hidden: int, settings: Settings, cold_method: str, log: Any) -> d
             "files_per_mtok_at_scale": data_files_per_million(layout, hidden, settings, mean_len),
         }
         row["write_tokens_per_cpu_s"] = num_tokens / statistics.median(w["cpu_s"] for w in r["write"])
-        for mode in ("cold", "warm", "cold_bits", "warm_bits"):
-            if r[mode]:
+        for mode in ("cold", "warm", "cold_bits", "warm_bits", "slow", "slow_bits"):
+            if r.get(mode):
                 row[f"{mode}_tokens_s"] = statistics.median(x["tokens_per_s"] for x in r[mode])
                 row[f"{mode}_tokens_s_range"] = [min(x["tokens_per_s"] for x in r[mode]), max(x["tokens_per_s"] for x in r[mode])]
                 row[f"{mode}_tokens_per_cpu_s"] = statistics.median(x["tokens"] / x["cpu_s"] for x in r[mode])
@@ -523,13 +551,13 @@ def run_hidden(hidden: int, settings: Settings, cold_method: str, log: Any) -> d
     base = summary.get(BASELINE)
     if base:
         for row in summary.values():
-            for mode in ("cold", "warm", "cold_bits", "warm_bits"):
+            for mode in ("cold", "warm", "cold_bits", "warm_bits", "slow", "slow_bits"):
                 ref = base.get(f"{mode}_tokens_s") or base.get(f"{mode.split('_')[0]}_tokens_s")
                 if f"{mode}_tokens_s" in row and ref:
                     row[f"{mode}_vs_baseline"] = row[f"{mode}_tokens_s"] / ref
             row["files_reduction_at_scale"] = base["files_per_mtok_at_scale"] / row["files_per_mtok_at_scale"]
             row["bytes_vs_baseline"] = row["bytes_per_token"] / base["bytes_per_token"]
-    return {"hidden": hidden, "num_samples": num_samples, "num_tokens": num_tokens, "mean_len": mean_len,
+    return {"hidden": hidden, "disk_mbps": settings.disk_mbps, "num_samples": num_samples, "num_tokens": num_tokens, "mean_len": mean_len,
             "summary": summary, "runs": results}
 
 
@@ -562,6 +590,19 @@ def markdown_table(result: dict[str, Any]) -> str:
             f"| {num(row['files_per_mtok_at_scale'], '{:,.1f}')}"
             f"{'' if reduction is None else f' (1/{reduction:.0f})'} |"
         )
+    if any("slow_tokens_s" in row for row in result["summary"].values()):
+        lines += [
+            "",
+            f"Cold, disk reads throttled to {result.get('disk_mbps', '?')} MB/s (blkio cgroup): tok/s, (x) = ratio to per-sample bf16",
+            "",
+            "| layout | cold @disk tok/s | cold @disk bits-only tok/s |",
+            "|---|---:|---:|",
+        ]
+        for layout, row in result["summary"].items():
+            lines.append(
+                f"| {layout} | {num(row.get('slow_tokens_s'))}{ratio(row.get('slow_vs_baseline'))} "
+                f"| {num(row.get('slow_bits_tokens_s'))}{ratio(row.get('slow_bits_vs_baseline'))} |"
+            )
     lines += [
         "",
         "Per CPU-second of this process (less disturbed by other load than wall time, not immune) and how the runs went:",
@@ -639,6 +680,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     parser.add_argument("--compression-level", type=int, default=1)
     parser.add_argument("--shard-max-tokens", type=int, default=4 << 20, help="tokens per store shard (also what 'files per Mtok at scale' assumes)")
     parser.add_argument("--cold", choices=["auto", "drop", "fadvise", "skip"], default="auto")
+    parser.add_argument("--disk-mbps", type=int, default=500, help="also time cold epochs with disk reads throttled to this many MB/s (needs root and cgroup v1 blkio; 0: skip)")
     parser.add_argument("--no-bits-only", action="store_true", help="skip the undecoded store epochs")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -659,7 +701,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
         baseline_threads=args.baseline_threads, shuffle_window=args.shuffle_window,
         chunk_tokens=parse_chunk_tokens(args.chunk_tokens, hidden_sizes), shard_chunks=args.shard_chunks or None,
         compression_level=args.compression_level, shard_max_tokens=args.shard_max_tokens,
-        cold=args.cold, bits_only=not args.no_bits_only, seed=args.seed, workdir=args.workdir,
+        cold=args.cold, disk_mbps=args.disk_mbps, bits_only=not args.no_bits_only, seed=args.seed, workdir=args.workdir,
     )
     return settings, args
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hsstore.errors import ShardCorruptError
-from hsstore.features import TABLE_FEATURES, FeatureSpec
+from hsstore.features import SCALE_SUFFIX, TABLE_FEATURES, FeatureSpec
 from hsstore.packing import (
     EpochPlan,
     LoaderError,
@@ -187,6 +187,7 @@ class StreamingLoader:
         read_threads: int = 4,
         prefetch_batches: int = 4,
         skip_corrupt: bool = False,
+        decode_on_host: bool = False,
     ) -> None:
         self.store = open_store(store) if isinstance(store, (str, os.PathLike)) else store
         self.features = [name for name in features if name not in TABLE_FEATURES]
@@ -206,6 +207,7 @@ class StreamingLoader:
         self.read_threads = read_threads
         self.prefetch_batches = prefetch_batches
         self.skip_corrupt = skip_corrupt
+        self.decode_on_host = decode_on_host
         self._catalog = _build_catalog(self.store)
         self._plans: dict[int, EpochPlan] = {}
         self._plans_lock = threading.Lock()
@@ -215,8 +217,21 @@ class StreamingLoader:
     # -- the plan ----------------------------------------------------------------------------
 
     @property
-    def specs(self) -> dict[str, FeatureSpec]:
+    def stored_specs(self) -> dict[str, FeatureSpec]:
+        """The features read, as the store keeps them."""
         return {name: self.store.features[name] for name in self.features}
+
+    @property
+    def specs(self) -> dict[str, FeatureSpec]:
+        """The features as batches hold them (what :func:`to_device` needs): the stored codecs, or
+        with ``decode_on_host`` fp8 features as bf16 bits (decoded by the loader)."""
+        specs = self.stored_specs
+        if self.decode_on_host:
+            specs = {
+                name: spec.model_copy(update={"codec": "bf16"}) if spec.codec == "fp8_e4m3" else spec
+                for name, spec in specs.items()
+            }
+        return specs
 
     @property
     def num_samples(self) -> int:
@@ -343,7 +358,7 @@ class StreamingLoader:
     def _allocate(self, num_rows: int) -> dict[str, np.ndarray]:
         """Zeroed feature buffers of one batch, in stored dtypes (padding stays zero)."""
         arrays: dict[str, np.ndarray] = {}
-        for name, spec in self.specs.items():
+        for name, spec in self.stored_specs.items():
             for array_name in spec.array_names():
                 per_token = spec.shape if array_name == name else spec.scale_shape
                 dtype = np.dtype(spec.storage_dtype) if array_name == name else np.dtype(np.float32)
@@ -428,6 +443,8 @@ class StreamingLoader:
             if skipped:
                 rows, arrays = self._without(rows, arrays, skipped)
                 self.num_skipped_samples += num_planned - sum(len(row) for row in rows)
+            if self.decode_on_host:
+                arrays = self._decode_fp8(arrays)
             layout = layout_rows([[self._clipped_length(s) for s in row] for row in rows], self.token_budget)
             shape = (len(rows), self.token_budget)
             input_ids = np.zeros(shape, dtype=np.int64)
@@ -460,6 +477,26 @@ class StreamingLoader:
                 )
             )
         return out
+
+    def _decode_fp8(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """fp8 features of a batch as bf16 bits, decoded here, in the assembler thread, so that the
+        decode overlaps the reads and the consumer (a CPU consumer would otherwise decode in its own
+        thread, after the reads). Padding (bits 0, scale 0) decodes to 0."""
+        import torch
+
+        from hsstore import codecs
+
+        decoded = dict(arrays)
+        for name, spec in self.stored_specs.items():
+            if spec.codec != "fp8_e4m3":
+                continue
+            bits = decoded.pop(name)
+            scale = decoded.pop(name + SCALE_SUFFIX)
+            out = np.empty(bits.shape, dtype=np.uint16)
+            target = torch.from_numpy(out).view(torch.bfloat16)
+            codecs.decode_torch(spec, {name: bits, name + SCALE_SUFFIX: scale}, out=target)
+            decoded[name] = out
+        return decoded
 
     def _without(
         self, rows: list[list[int]], arrays: dict[str, np.ndarray], skipped: set[int]

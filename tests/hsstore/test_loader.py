@@ -159,6 +159,25 @@ def make_loader(url: str, **kwargs: object) -> StreamingLoader:
     return StreamingLoader(url, FEATURES, **settings_)  # type: ignore[arg-type]
 
 
+def test_decode_on_host_gives_the_same_batches_as_bf16_bits(store_url: str) -> None:
+    """With decode_on_host the fp8 feature arrives as bf16 bits (no scale array) and decodes, by a
+    view, to exactly what decoding the stored bits gives; bf16 features are untouched."""
+    import torch
+
+    plain, on_host = make_loader(store_url), make_loader(store_url, decode_on_host=True)
+    assert on_host.specs["final_hidden_state"].codec == "bf16"
+    assert on_host.stored_specs["final_hidden_state"].codec == "fp8_e4m3"
+    pairs = list(zip(plain.batches(max_epochs=1), on_host.batches(max_epochs=1), strict=True))
+    assert len(pairs) > 3
+    for a, b in pairs:
+        assert set(b.features) == {"aux_hidden_states", "final_hidden_state"}
+        assert b.features["final_hidden_state"].dtype == np.uint16
+        assert b.bytes_read == a.bytes_read  # the bits read, not the decoded size
+        da, db = to_device(a, plain.specs, "cpu"), to_device(b, on_host.specs, "cpu")
+        for name in FEATURES:
+            assert torch.equal(da.features[name], db.features[name])
+
+
 def test_batches_hold_the_stored_samples_decoded(store_url: str) -> None:
     import torch
 
