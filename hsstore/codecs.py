@@ -190,6 +190,7 @@ def decode_torch(
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
+    threads: int | None = None,
 ) -> torch.Tensor:
     """Decode stored arrays to a torch tensor on ``device``, in the logical dtype (or ``dtype``).
 
@@ -203,6 +204,9 @@ def decode_torch(
     of the returned dtype, on the decode device. The CPU fp8 path writes into it directly, which
     saves a fresh allocation whose first-touch page faults cost ~25 ms per 100 MB; reuse one buffer
     per batch shape. Other paths copy into it.
+
+    ``threads`` caps the threads of the CPU fp8 table gather (default ``torch.get_num_threads()``):
+    callers that already decode from several threads (the loader's readers) pass 1.
     """
     import torch
 
@@ -232,13 +236,13 @@ def decode_torch(
                 target = out
             else:
                 target = torch.empty(bits_t.shape, dtype=torch.bfloat16)
-            _decode_fp8_cpu_bf16(bits_t, scale_t, target)
+            _decode_fp8_cpu_bf16(bits_t, scale_t, target, threads)
             result = target
         else:
             # Arbitrary scales (stores written before scales were powers of two): e4m3 * scale
             # is rounded once, from float32, as those stores were always decoded.
             values = np.empty(tuple(bits_t.shape), dtype=np.float32)
-            _gather(FP8_E4M3_VALUES, _flat_numpy(bits_t.view(torch.uint8)), values.reshape(-1))
+            _gather(FP8_E4M3_VALUES, _flat_numpy(bits_t.view(torch.uint8)), values.reshape(-1), threads)
             result = (torch.from_numpy(values) * scale_t.unsqueeze(-1)).to(torch.bfloat16)
     else:
         raise CodecError(f"feature {spec.name!r}: unknown codec {spec.codec!r}")
@@ -295,7 +299,7 @@ def _flat_numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.contiguous().view(-1).numpy()
 
 
-def _gather(table: np.ndarray, indices: np.ndarray, out: np.ndarray) -> None:
+def _gather(table: np.ndarray, indices: np.ndarray, out: np.ndarray, threads: int | None = None) -> None:
     """``out[i] = table[indices[i]]`` for flat arrays, in chunks spread over torch's thread count.
 
     Indices must be in range (uint8 into 256 entries, uint16 into 65,536): ``mode="wrap"`` then
@@ -304,7 +308,7 @@ def _gather(table: np.ndarray, indices: np.ndarray, out: np.ndarray) -> None:
     import torch
 
     num_chunks = -(-indices.size // _GATHER_CHUNK)
-    num_threads = max(1, min(torch.get_num_threads(), num_chunks))
+    num_threads = max(1, min(threads or torch.get_num_threads(), num_chunks))
     span = -(-num_chunks // num_threads) * _GATHER_CHUNK
 
     def gather_span(start: int) -> None:
@@ -346,7 +350,9 @@ def _scales_exact_in_bf16(scale_t: torch.Tensor) -> bool:
     return bool(((power_of_two & in_range) | (scale_bits == 0)).all())
 
 
-def _decode_fp8_cpu_bf16(bits_t: torch.Tensor, scale_t: torch.Tensor, out: torch.Tensor) -> None:
+def _decode_fp8_cpu_bf16(
+    bits_t: torch.Tensor, scale_t: torch.Tensor, out: torch.Tensor, threads: int | None = None
+) -> None:
     """``out = bf16(e4m3(bits) * scale)`` for scales that pass :func:`_scales_exact_in_bf16`.
 
     e4m3 NaN (0x7f, 0xff; never written by :func:`encode`) decodes to a NaN whose payload depends on
@@ -362,5 +368,5 @@ def _decode_fp8_cpu_bf16(bits_t: torch.Tensor, scale_t: torch.Tensor, out: torch
     if indices.size % 2 == 0 and indices.ctypes.data % 2 == 0 and out_bits.ctypes.data % 4 == 0:
         table = _fp8_pair_table()
         indices, out_bits = indices.view(np.uint16), out_bits.view(np.uint32)
-    _gather(table, indices, out_bits)
+    _gather(table, indices, out_bits, threads)
     out.mul_(scale_t.to(torch.bfloat16).unsqueeze(-1))

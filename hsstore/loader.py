@@ -208,6 +208,11 @@ class StreamingLoader:
         self.prefetch_batches = prefetch_batches
         self.skip_corrupt = skip_corrupt
         self.decode_on_host = decode_on_host
+        # fp8 features the readers decode to bf16 (decode_on_host), and their per-thread scratch
+        self._decoded_here = {
+            name: spec for name, spec in self.stored_specs.items() if decode_on_host and spec.codec == "fp8_e4m3"
+        }
+        self._scratch = threading.local()
         self._catalog = _build_catalog(self.store)
         self._plans: dict[int, EpochPlan] = {}
         self._plans_lock = threading.Lock()
@@ -358,7 +363,7 @@ class StreamingLoader:
     def _allocate(self, num_rows: int) -> dict[str, np.ndarray]:
         """Zeroed feature buffers of one batch, in stored dtypes (padding stays zero)."""
         arrays: dict[str, np.ndarray] = {}
-        for name, spec in self.stored_specs.items():
+        for name, spec in self.specs.items():
             for array_name in spec.array_names():
                 per_token = spec.shape if array_name == name else spec.scale_shape
                 dtype = np.dtype(spec.storage_dtype) if array_name == name else np.dtype(np.float32)
@@ -390,7 +395,33 @@ class StreamingLoader:
     def _read_into(self, sample: int, length: int, out: dict[str, np.ndarray]) -> None:
         shard_id = self._catalog.shard_ids[int(self._catalog.shard_of[sample])]
         offset = int(self._catalog.token_offset[sample])
-        self.store.read_token_range(shard_id, offset, offset + length, self.features, out=out)
+        if not self._decoded_here:
+            self.store.read_token_range(shard_id, offset, offset + length, self.features, out=out)
+            return
+        # decode_on_host: fp8 bits and scales land in this thread's scratch, then decode into the
+        # batch's bf16 slots. Every reader decodes its own samples, so decoding spreads over the
+        # read threads and overlaps the reads of the others.
+        import torch
+
+        from hsstore import codecs
+
+        targets = {key: value for key, value in out.items() if key not in self._decoded_here}
+        scratch = self._scratch.__dict__
+        for name, spec in self._decoded_here.items():
+            for key, per_token, dtype in (
+                (name, spec.shape, np.uint8),
+                (name + SCALE_SUFFIX, spec.scale_shape, np.float32),
+            ):
+                size = length * int(np.prod(per_token, dtype=np.int64))
+                buffer = scratch.get(key)
+                if buffer is None or buffer.size < size:
+                    buffer = scratch[key] = np.empty(max(size, 2 * (0 if buffer is None else buffer.size)), dtype=dtype)
+                targets[key] = buffer[:size].reshape(length, *per_token)
+        self.store.read_token_range(shard_id, offset, offset + length, self.features, out=targets)
+        for name, spec in self._decoded_here.items():
+            bf16 = torch.from_numpy(out[name].view(np.int16)).view(torch.bfloat16)
+            raw = {name: targets[name], name + SCALE_SUFFIX: targets[name + SCALE_SUFFIX]}
+            codecs.decode_torch(spec, raw, out=bf16, threads=1)
 
     def _columns(self, shard: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(input_ids values, offsets, loss_mask values, offsets) of a shard's Arrow table."""
@@ -433,9 +464,7 @@ class StreamingLoader:
                 logger.warning("skipping sample %s: %s", name, err)
                 failed.setdefault(n, set()).add(s)
         wait_s = time.perf_counter() - started
-        bytes_per_token = sum(
-            int(np.prod(a.shape[2:], dtype=np.int64)) * a.itemsize for a in batches[0][3].values()
-        ) if batches else 0
+        bytes_per_token = sum(spec.raw_bytes_per_token for spec in self.stored_specs.values())
         out = []
         for n, (epoch, j, rows, arrays) in enumerate(batches):
             skipped = failed.get(n, set())
@@ -443,8 +472,6 @@ class StreamingLoader:
             if skipped:
                 rows, arrays = self._without(rows, arrays, skipped)
                 self.num_skipped_samples += num_planned - sum(len(row) for row in rows)
-            if self.decode_on_host:
-                arrays = self._decode_fp8(arrays)
             layout = layout_rows([[self._clipped_length(s) for s in row] for row in rows], self.token_budget)
             shape = (len(rows), self.token_budget)
             input_ids = np.zeros(shape, dtype=np.int64)
@@ -477,26 +504,6 @@ class StreamingLoader:
                 )
             )
         return out
-
-    def _decode_fp8(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """fp8 features of a batch as bf16 bits, decoded here, in the assembler thread, so that the
-        decode overlaps the reads and the consumer (a CPU consumer would otherwise decode in its own
-        thread, after the reads). Padding (bits 0, scale 0) decodes to 0."""
-        import torch
-
-        from hsstore import codecs
-
-        decoded = dict(arrays)
-        for name, spec in self.stored_specs.items():
-            if spec.codec != "fp8_e4m3":
-                continue
-            bits = decoded.pop(name)
-            scale = decoded.pop(name + SCALE_SUFFIX)
-            out = np.empty(bits.shape, dtype=np.uint16)
-            target = torch.from_numpy(out).view(torch.bfloat16)
-            codecs.decode_torch(spec, {name: bits, name + SCALE_SUFFIX: scale}, out=target)
-            decoded[name] = out
-        return decoded
 
     def _without(
         self, rows: list[list[int]], arrays: dict[str, np.ndarray], skipped: set[int]
