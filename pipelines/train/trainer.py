@@ -320,6 +320,9 @@ def _run(recipe: TrainRecipe, dist_state: Distributed, device: torch.device, sto
         world_size=dist_state.world_size, remainder=settings.remainder, long_samples=settings.long_samples,
         read_threads=settings.read_threads, prefetch_batches=settings.prefetch_batches,
         skip_corrupt=recipe.skip_corrupt,
+        # Training on the CPU: fp8 features are decoded by the read threads, overlapping the step;
+        # a GPU decodes them for free and the host moves half the bytes.
+        decode_on_host=device.type == "cpu",
     )
     total_steps = recipe.max_steps or sum(loader.num_batches(e) for e in range(recipe.schedule.epochs))
     step = 0
@@ -338,6 +341,7 @@ def _run(recipe: TrainRecipe, dist_state: Distributed, device: torch.device, sto
             shuffle_window=settings.shuffle_window, rank=dist_state.rank, world_size=dist_state.world_size,
             remainder=settings.remainder, long_samples=settings.long_samples, read_threads=settings.read_threads,
             prefetch_batches=settings.prefetch_batches, skip_corrupt=recipe.skip_corrupt,
+            decode_on_host=loader.decode_on_host,
         ))
     else:
         batches = loader.batches(loader_state)
