@@ -178,6 +178,27 @@ def test_decode_on_host_gives_the_same_batches_as_bf16_bits(store_url: str) -> N
             assert torch.equal(da.features[name], db.features[name])
 
 
+def test_batch_buffers_are_recycled_only_once_released(store_url: str) -> None:
+    """Buffers come back only when nothing refers to them: batches a consumer keeps are never
+    overwritten, dropped ones are reused, and a reused buffer's padding is zero again."""
+    kept = list(make_loader(store_url).batches(max_epochs=2))  # every batch held: no reuse possible
+    pointers = {h.features["aux_hidden_states"].ctypes.data for h in kept}
+    assert len(pointers) == len(kept)
+    dropped = make_loader(store_url)
+    seen: set[int] = set()
+    reused = 0
+    for reference, host in zip(kept, dropped.batches(max_epochs=2), strict=True):
+        pointer = host.features["aux_hidden_states"].ctypes.data
+        reused += pointer in seen
+        seen.add(pointer)
+        for key, array in host.features.items():
+            np.testing.assert_array_equal(array, reference.features[key])  # padding zero included
+        real = host.doc_ids >= 0
+        assert (host.features["aux_hidden_states"][~real] == 0).all()
+        del host  # the consumer lets go: the next batches may reuse these buffers
+    assert reused > 0
+
+
 def test_batches_hold_the_stored_samples_decoded(store_url: str) -> None:
     import torch
 
