@@ -8,6 +8,7 @@ rows in the caller's buffer.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -109,29 +110,31 @@ def test_remote_backends_read_the_same_rows(tmp_path):
     np.testing.assert_array_equal(remote.read(5, 33), local.read(5, 33))
 
 
+def damaged_reader(root: Path, compression: str, damage: Any) -> ArrayReader:
+    """A reader over 30 streamed rows whose one shard file ``damage(bytes) -> bytes`` rewrote."""
+    write_stream(root, random_rows(30), chunk_tokens=5, shard_tokens=None, compression=compression)
+    path = root / "g" / "x" / "c" / "0" / "0" / "0"
+    path.write_bytes(damage(path.read_bytes()))
+    layout = layout_of(zarr.open_array(str(root / "g" / "x"), mode="r"))
+    assert layout is not None
+    return ArrayReader(StoreLocation(str(root)), "g/x", layout, 30)
+
+
+def flip_a_byte(data: bytes) -> bytes:
+    flipped = bytearray(data)
+    flipped[len(flipped) // 3] ^= 0x10  # inside the chunk data, not the index
+    return bytes(flipped)
+
+
 @pytest.mark.parametrize("compression", ["none", "zstd"])
 def test_a_flipped_byte_is_caught_and_named(tmp_path, compression):
-    rows = random_rows(30)
-    write_stream(tmp_path, rows, chunk_tokens=5, shard_tokens=None, compression=compression)
-    path = tmp_path / "g" / "x" / "c" / "0" / "0" / "0"
-    data = bytearray(path.read_bytes())
-    data[len(data) // 3] ^= 0x10  # inside the chunk data, not the index
-    path.write_bytes(bytes(data))
-    layout = layout_of(zarr.open_array(str(tmp_path / "g" / "x"), mode="r"))
-    assert layout is not None
-    reader = ArrayReader(StoreLocation(str(tmp_path)), "g/x", layout, 30)
+    reader = damaged_reader(tmp_path, compression, flip_a_byte)
     with pytest.raises(ShardCorruptError, match=r"c/0/0/0: chunk \d+ (fails its crc32c|does not decompress)"):
         reader.read(0, 30)
 
 
 def test_a_truncated_file_is_caught_and_named(tmp_path):
-    rows = random_rows(30)
-    write_stream(tmp_path, rows, chunk_tokens=5, shard_tokens=None, compression="none")
-    path = tmp_path / "g" / "x" / "c" / "0" / "0" / "0"
-    path.write_bytes(path.read_bytes()[:-40])
-    layout = layout_of(zarr.open_array(str(tmp_path / "g" / "x"), mode="r"))
-    assert layout is not None
-    reader = ArrayReader(StoreLocation(str(tmp_path)), "g/x", layout, 30)
+    reader = damaged_reader(tmp_path, "none", lambda data: data[:-40])
     with pytest.raises(ShardCorruptError, match=r"c/0/0/0: (the shard index fails its crc32c|the shard index points past)"):
         reader.read(0, 30)
 
