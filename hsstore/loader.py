@@ -8,17 +8,18 @@ the sample lengths; this module executes it:
   sample's token range is read into its place (:meth:`Store.read_token_range` with ``out=``, one
   ``preadv`` per array, crc32c-checked), ``read_threads`` reads in flight, ahead of the consumer.
 - **Bits stay bits** on the host: bf16 as uint16, fp8 as uint8 plus float32 scales. Decoding happens
-  in :func:`to_device` on the training device (a bf16 view, or an fp8 cast times the scale), so the
-  host moves half (bf16) or a quarter (fp8) of the float32 bytes.
+  in :func:`hsstore.torch_data.to_device` on the training device (a bf16 view, or an fp8 cast times
+  the scale), so the host moves half (bf16) or a quarter (fp8) of the float32 bytes.
 - **Resume** needs only :class:`LoaderState` (a few scalars): a batch carries its ``(epoch, index)``,
   the consumer records the position after the last batch it used, and restarting from that state
   yields exactly the batches an uninterrupted run would have seen next.
-- **Workers**: :class:`StoreBatchDataset` is a torch ``IterableDataset``; each DataLoader worker
-  opens the store itself (fsspec is not fork-safe) and takes every ``num_workers``-th batch of the
-  rank's stream, which is the order torch's DataLoader returns them in. No shared memory or lock
-  files between workers.
+- **Workers** (DataLoader processes) are served by :mod:`hsstore.torch_data`: each opens the store
+  itself and calls :meth:`StreamingLoader.batches` with its ``worker_id``/``num_workers`` stride.
 
-Importing this module does not import torch; the functions that return tensors import it.
+Importing this module does not import torch; the functions that return tensors import it. The
+torch-facing half (``DeviceBatch``, ``to_device``, ``StoreBatchDataset``, ``make_dataloader``,
+``WaitTimer``) lives in :mod:`hsstore.torch_data`; those names still resolve here, lazily, for the
+code written against this module.
 """
 
 from __future__ import annotations
@@ -49,7 +50,13 @@ from hsstore.packing import (
 from hsstore.store import Store, open_store
 
 if TYPE_CHECKING:
-    import torch
+    # What the lazy ``__getattr__`` below hands out, for type checkers (the ``X as X`` form marks a
+    # re-export). Not imported at run time: hsstore.torch_data imports torch, and this module.
+    from hsstore.torch_data import DeviceBatch as DeviceBatch
+    from hsstore.torch_data import StoreBatchDataset as StoreBatchDataset
+    from hsstore.torch_data import WaitTimer as WaitTimer
+    from hsstore.torch_data import make_dataloader as make_dataloader
+    from hsstore.torch_data import to_device as to_device
 
 logger = logging.getLogger(__name__)
 
@@ -554,191 +561,29 @@ class StreamingLoader:
         return kept, packed
 
 
-@dataclass
-class DeviceBatch:
-    """A batch on the training device: token tensors ``[B, T]`` and decoded features."""
-
-    epoch: int
-    index: int
-    input_ids: torch.Tensor  # int64
-    loss_mask: torch.Tensor  # bool
-    position_ids: torch.Tensor  # int64
-    doc_ids: torch.Tensor  # int32 (-1 on padding)
-    doc_remaining: torch.Tensor  # int32
-    features: dict[str, torch.Tensor]  # logical dtype (bf16 for bf16/fp8 codecs)
-    doc_lengths: list[list[int]]
-    num_real_tokens: int
-    num_padding_tokens: int
-    num_skipped_samples: int
-    read_seconds: float
-    bytes_read: int
-
-
-def to_device(
-    batch: HostBatch, specs: dict[str, FeatureSpec], device: str | torch.device, *, pin_memory: bool = False
-) -> DeviceBatch:
-    """Move a host batch to ``device`` and decode its features there (hsstore.codecs.decode_torch).
-
-    Arrays may already be torch tensors (a DataLoader worker converts them to share memory).
-    """
-    import torch
-
-    from hsstore import codecs
-
-    def tensor(array: Any) -> torch.Tensor:
-        t = array if isinstance(array, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(array))
-        if pin_memory and t.device.type == "cpu":
-            t = t.pin_memory()
-        return t.to(device, non_blocking=pin_memory)
-
-    features = {}
-    for name, spec in specs.items():
-        raw = {key: tensor(batch.features[key]) for key in spec.array_names()}
-        features[name] = codecs.decode_torch(spec, raw, name, device=device)
-    return DeviceBatch(
-        epoch=batch.epoch,
-        index=batch.index,
-        input_ids=tensor(batch.input_ids).long(),
-        loss_mask=tensor(batch.loss_mask).bool(),
-        position_ids=tensor(batch.position_ids).long(),
-        doc_ids=tensor(batch.doc_ids),
-        doc_remaining=tensor(batch.doc_remaining),
-        features=features,
-        doc_lengths=batch.doc_lengths,
-        num_real_tokens=batch.num_real_tokens,
-        num_padding_tokens=int(batch.input_ids.shape[0] * batch.input_ids.shape[1]) - batch.num_real_tokens,
-        num_skipped_samples=batch.num_skipped_samples,
-        read_seconds=batch.read_seconds,
-        bytes_read=batch.bytes_read,
-    )
-
-
-def _host_batch_to_torch(batch: HostBatch) -> HostBatch:
-    """Numpy arrays to CPU tensors, so that a DataLoader worker hands them over in shared memory
-    instead of pickling them through a pipe."""
-    import torch
-
-    def conv(a: np.ndarray) -> Any:
-        return torch.from_numpy(np.ascontiguousarray(a))
-
-    batch.input_ids = conv(batch.input_ids)
-    batch.loss_mask = conv(batch.loss_mask)
-    batch.position_ids = conv(batch.position_ids)
-    batch.doc_ids = conv(batch.doc_ids)
-    batch.doc_remaining = conv(batch.doc_remaining)
-    batch.features = {key: conv(value) for key, value in batch.features.items()}
-    return batch
-
-
-def _identity(batch: Any) -> Any:
-    return batch
-
-
-def make_dataloader(
-    store_url: str,
-    features: Sequence[str],
-    start: LoaderState | None = None,
-    *,
-    num_workers: int = 0,
-    max_epochs: int | None = None,
-    **loader_kwargs: Any,
-) -> Any:
-    """A ``torch.utils.data.DataLoader`` over :class:`StoreBatchDataset` yielding :class:`HostBatch`.
-
-    Batches arrive in the rank's stream order whatever ``num_workers`` is (the DataLoader's round
-    robin over workers matches the dataset's striding). Workers start with ``spawn``: they open the
-    store themselves, and fsspec's async filesystems are not fork-safe.
-    """
-    import torch.utils.data
-
-    dataset = __getattr__("StoreBatchDataset")(store_url, list(features), start, max_epochs=max_epochs, **loader_kwargs)
-    return torch.utils.data.DataLoader(
-        dataset,
-        batch_size=None,
-        num_workers=num_workers,
-        collate_fn=_identity,
-        multiprocessing_context="spawn" if num_workers > 0 else None,
-        persistent_workers=False,
-        prefetch_factor=2 if num_workers > 0 else None,
-    )
-
-
-class _StoreBatchDatasetMixin:
-    """A torch ``IterableDataset`` of one rank's packed batches (stored bits, on the host).
-
-    Holds only the URL and settings: each worker process builds its own :class:`StreamingLoader`.
-    The class is created on first access (module ``__getattr__``) so that importing this module does
-    not import torch.
-    """
-
-    def __init__(
-        self,
-        store_url: str,
-        features: list[str],
-        start: LoaderState | None = None,
-        *,
-        max_epochs: int | None = None,
-        **loader_kwargs: Any,
-    ) -> None:
-        self.store_url = store_url
-        self.features = features
-        self.start = start
-        self.max_epochs = max_epochs
-        self.loader_kwargs = loader_kwargs
-
-    def __iter__(self) -> Iterator[HostBatch]:
-        import torch.utils.data
-
-        info = torch.utils.data.get_worker_info()
-        worker_id, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        loader = StreamingLoader(self.store_url, self.features, **self.loader_kwargs)
-        for batch in loader.batches(
-            self.start, max_epochs=self.max_epochs, worker_id=worker_id, num_workers=num_workers
-        ):
-            yield _host_batch_to_torch(batch) if info is not None else batch
+# Names that moved to hsstore.torch_data and are still importable from here. They resolve on first
+# lookup, so ``import hsstore.loader`` (and ``import hsstore``) stay free of torch, and there is no
+# import cycle: torch_data imports this module, never the other way round at import time.
+_TORCH_DATA_NAMES = frozenset({"DeviceBatch", "StoreBatchDataset", "WaitTimer", "make_dataloader", "to_device"})
 
 
 def __getattr__(name: str) -> Any:
-    if name == "StoreBatchDataset":
-        from torch.utils.data import IterableDataset
+    if name in _TORCH_DATA_NAMES:
+        from hsstore import torch_data
 
-        cls = type(
-            "StoreBatchDataset",
-            (_StoreBatchDatasetMixin, IterableDataset),
-            {"__module__": __name__, "__doc__": _StoreBatchDatasetMixin.__doc__},
-        )
-        globals()[name] = cls
-        return cls
+        return getattr(torch_data, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-class WaitTimer:
-    """Wraps an iterator and accumulates the time spent blocked in ``next()``: the data wait."""
-
-    def __init__(self, iterator: Iterator[Any]) -> None:
-        self._iterator = iterator
-        self.wait_seconds = 0.0
-        self.last_wait = 0.0
-
-    def __iter__(self) -> WaitTimer:
-        return self
-
-    def __next__(self) -> Any:
-        started = time.perf_counter()
-        try:
-            return next(self._iterator)
-        finally:
-            self.last_wait = time.perf_counter() - started
-            self.wait_seconds += self.last_wait
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _TORCH_DATA_NAMES)
 
 
+# The torch-facing names are exported by hsstore.torch_data; listing them here would make
+# ``from hsstore.loader import *`` import torch.
 __all__ = [
-    "DeviceBatch",
     "HostBatch",
     "LoaderError",
     "LoaderState",
     "StreamingLoader",
-    "WaitTimer",
-    "make_dataloader",
-    "to_device",
 ]

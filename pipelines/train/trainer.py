@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 import hsstore
-from hsstore.loader import DeviceBatch, LoaderState, StreamingLoader, WaitTimer, to_device
+from hsstore.loader import LoaderState, StreamingLoader
+from hsstore.torch_data import DeviceBatch, WaitTimer, to_device
 from pipelines.models.checkpoint import (
     init_from_pretrained,
     load_draft,
@@ -333,7 +334,7 @@ def _run(recipe: TrainRecipe, dist_state: Distributed, device: torch.device, sto
         loader_state = LoaderState.from_dict(state["loader"])
         totals.update(state.get("totals", {}))
     if settings.num_workers > 0:
-        from hsstore.loader import make_dataloader
+        from hsstore.torch_data import make_dataloader
 
         batches = iter(make_dataloader(
             store.url, features, loader_state, num_workers=settings.num_workers,
