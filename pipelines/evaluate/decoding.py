@@ -112,6 +112,58 @@ def _record_depths(result: GenerationResult, tree_depth: int, num_accepted: int)
             result.depth_accepts[d - 1] += 1
 
 
+@dataclass(frozen=True)
+class _Measurement:
+    """The clock and the forward counters at the start of one prompt's generation.
+
+    The target and the drafter keep cumulative counters across prompts (their ``reset`` clears the
+    caches, not the counts), so a result reports the difference between its end and this start.
+    Both generators are measured the same way, which is what makes their wall times comparable.
+    """
+
+    target: TargetModel
+    drafter: Proposer | None
+    started: float
+    target_seconds0: float
+    target_forwards0: int
+    draft_seconds0: float
+    draft_forwards0: int
+
+    @classmethod
+    def begin(cls, target: TargetModel, drafter: Proposer | None = None) -> _Measurement:
+        """Start timing once the device is idle, then reset the caches (inside the timed span)."""
+        synchronize(target.device)
+        started = time.perf_counter()
+        measurement = cls(
+            target=target,
+            drafter=drafter,
+            started=started,
+            target_seconds0=target.forward_seconds,
+            target_forwards0=target.num_forwards,
+            draft_seconds0=drafter.seconds if drafter is not None else 0.0,
+            draft_forwards0=drafter.num_forwards if drafter is not None else 0,
+        )
+        target.reset()
+        if drafter is not None:
+            drafter.reset()
+        return measurement
+
+    def end(
+        self, result: GenerationResult, generated: list[int], max_new_tokens: int, eos_ids: set[int]
+    ) -> GenerationResult:
+        """Wait for the device, cut the output as ``generate`` would, and fill in the times and counts."""
+        synchronize(self.target.device)
+        result.output_ids = _finish(generated, max_new_tokens, eos_ids)
+        result.wall_seconds = time.perf_counter() - self.started
+        result.target_seconds = self.target.forward_seconds - self.target_seconds0
+        # The prefill forward emits the first token on its own: it is not a verification.
+        result.num_target_forwards = self.target.num_forwards - self.target_forwards0 - 1
+        if self.drafter is not None:
+            result.draft_seconds = self.drafter.seconds - self.draft_seconds0
+            result.num_draft_forwards = self.drafter.num_forwards - self.draft_forwards0
+        return result
+
+
 @torch.no_grad()
 def speculative_generate(
     target: TargetModel,
@@ -124,12 +176,7 @@ def speculative_generate(
     generator: torch.Generator,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` after ``prompt_ids`` with draft-and-verify steps."""
-    synchronize(target.device)
-    start = time.perf_counter()
-    target_seconds0, target_forwards0 = target.forward_seconds, target.num_forwards
-    draft_seconds0, draft_forwards0 = drafter.seconds, drafter.num_forwards
-    target.reset()
-    drafter.reset()
+    measurement = _Measurement.begin(target, drafter)
     prompt = torch.tensor(prompt_ids, dtype=torch.long)
     prefill = target.forward(prompt, last_logits_only=True)
     root = _pick(prefill.logits_QV[-1], sampling, generator)
@@ -161,14 +208,7 @@ def speculative_generate(
             break
         drafter.extend(verify.aux_QKH[kept.to(verify.aux_QKH.device)], torch.tensor(new_tokens))
         root = bonus
-    synchronize(target.device)
-    result.output_ids = _finish(generated, max_new_tokens, eos_ids)
-    result.wall_seconds = time.perf_counter() - start
-    result.target_seconds = target.forward_seconds - target_seconds0
-    result.draft_seconds = drafter.seconds - draft_seconds0
-    result.num_target_forwards = target.num_forwards - target_forwards0 - 1
-    result.num_draft_forwards = drafter.num_forwards - draft_forwards0
-    return result
+    return measurement.end(result, generated, max_new_tokens, eos_ids)
 
 
 @torch.no_grad()
@@ -181,19 +221,11 @@ def target_only_generate(
     generator: torch.Generator,
 ) -> GenerationResult:
     """The baseline: the same target wrapper, one token per forward (what speedup divides by)."""
-    synchronize(target.device)
-    start = time.perf_counter()
-    target_seconds0, target_forwards0 = target.forward_seconds, target.num_forwards
-    target.reset()
+    measurement = _Measurement.begin(target)
     out = target.forward(torch.tensor(prompt_ids, dtype=torch.long), last_logits_only=True)
     generated = [_pick(out.logits_QV[-1], sampling, generator)]
     while generated[-1] not in eos_ids and len(generated) < max_new_tokens:
         out = target.forward(torch.tensor([generated[-1]]))
         generated.append(_pick(out.logits_QV[-1], sampling, generator))
-    synchronize(target.device)
-    return GenerationResult(
-        output_ids=_finish(generated, max_new_tokens, eos_ids),
-        wall_seconds=time.perf_counter() - start,
-        target_seconds=target.forward_seconds - target_seconds0,
-        num_target_forwards=target.num_forwards - target_forwards0 - 1,
-    )
+    result = GenerationResult(output_ids=[], wall_seconds=0.0)
+    return measurement.end(result, generated, max_new_tokens, eos_ids)
