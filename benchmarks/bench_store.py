@@ -12,7 +12,7 @@ layout and reads each back as a shuffled epoch of bf16 torch tensors, cold and w
   ``Store.read_token_range`` reads straight into the batch buffers, several in flight, rows packed
   to the same budget), decoded to bf16 tensors on the CPU (``decode_on_host=True``: fp8 is decoded
   by the loader's assembler thread with :func:`hsstore.codecs.decode_torch`, then
-  :func:`hsstore.loader.to_device` views the bf16 bits). Each store epoch is also timed "bits only"
+  :func:`hsstore.torch_data.to_device` views the bf16 bits). Each store epoch is also timed "bits only"
   (no decode): what the host hands a GPU, which decodes there (the production path).
 
 Runs of different layouts are interleaved (repeat 1 of every layout, then repeat 2, ...) so that
@@ -50,7 +50,8 @@ import numpy as np
 import torch
 
 import hsstore
-from hsstore.loader import StreamingLoader, to_device
+from hsstore.loader import StreamingLoader
+from hsstore.torch_data import to_device
 from hsstore.writer import SCALE_GROUPING
 
 NUM_AUX = 3

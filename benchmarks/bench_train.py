@@ -43,7 +43,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import hsstore  # noqa: E402
-from hsstore.loader import DeviceBatch, StreamingLoader, WaitTimer, to_device  # noqa: E402
+from hsstore.loader import StreamingLoader  # noqa: E402
+from hsstore.torch_data import DeviceBatch, WaitTimer, to_device  # noqa: E402
 from pipelines.train.config import TrainRecipe  # noqa: E402
 
 REFERENCE_TARGET = REPO / "examples" / "reference-target"
