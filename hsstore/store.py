@@ -101,7 +101,7 @@ class Store:
         entry = next((f for f in shard.files if f.path == path), None)
         try:
             # The table is small (ids and masks): read it whole and check it against the manifest
-            # before trusting a single offset. Feature chunks carry their own crc32c (zarr checks it).
+            # before trusting a single offset. Feature chunks carry their own crc32c, checked on every read (hsstore.shardfile).
             data = self.location.read_bytes(path)
             if entry is not None and (len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256):
                 raise ShardCorruptError(

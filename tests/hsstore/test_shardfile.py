@@ -168,3 +168,26 @@ def test_streaming_holds_a_few_chunks_not_the_shard(tmp_path):
     shard_tokens, written = stream.close()
     assert shard_tokens == 1000 and len(written) == 1
     assert written[0].size == 125 * (8 * 64 * 2 + 4) + 125 * 16 + 4
+
+
+def test_a_default_store_shard_is_two_files_per_array_plus_two(tmp_path):
+    """The file-count contract of the default layout (docs/format.md): samples.arrow, the group's
+    zarr.json, and per array its zarr.json and one data file, however many chunks the shard holds."""
+    import hsstore
+
+    specs = [
+        hsstore.FeatureSpec(name="aux_hidden_states", shape=(3, 8), codec="fp8_e4m3", chunk_tokens=4),
+        hsstore.FeatureSpec(name="final_hidden_state", shape=(8,), chunk_tokens=4),
+    ]
+    rng = np.random.default_rng(0)
+    with hsstore.StoreWriter(str(tmp_path / "s"), specs, hsstore.Lineage(aux_layer_ids=[1, 2, 3])) as writer:
+        for i in range(40):  # 40 samples of 10 tokens: 100 inner chunks per value array
+            writer.add_sample(
+                sample_id=f"s{i}", source_id="r", input_ids=np.arange(10), loss_mask=np.ones(10),
+                features={"aux_hidden_states": rng.standard_normal((10, 3, 8)), "final_hidden_state": rng.standard_normal((10, 8))},
+            )
+    store = hsstore.open_store(str(tmp_path / "s"))
+    (shard,) = store.shards
+    assert len(shard.files) == 2 + 2 * 3  # fp8 aux: values + scales; bf16 final: values
+    assert store.verify() == []
+    np.testing.assert_array_equal(store.read_sample(39, as_numpy=True)["input_ids"], np.arange(10))
