@@ -198,6 +198,7 @@ class ArrayStream:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsstore-chunk")
         self._in_flight: deque[Future[None]] = deque()
         self.max_in_flight = max_in_flight
+        self._free: deque[np.ndarray] = deque()  # written chunk buffers, ready for reuse
         self._chunk = self._new_chunk()
         self._filled = 0
         self.num_tokens = 0
@@ -211,7 +212,12 @@ class ArrayStream:
         self._written: list[WrittenFile] = []
 
     def _new_chunk(self) -> np.ndarray:
-        return np.empty((self.chunk_tokens, *self.tail), dtype=self.dtype)
+        # Written chunks come back from the background thread: a fresh buffer per chunk cost a page
+        # fault per 4 KiB written, which made the extraction writer thread the bottleneck.
+        try:
+            return self._free.pop()
+        except IndexError:
+            return np.empty((self.chunk_tokens, *self.tail), dtype=self.dtype)
 
     def append(self, rows: np.ndarray) -> None:
         rows = np.asarray(rows)
@@ -287,6 +293,7 @@ class ArrayStream:
         nbytes = len(payload) + CRC_BYTES
         self._file_index.append((self._file_offset, nbytes))
         self._file_offset += nbytes
+        self._free.append(chunk)  # the bytes are in the file (or compressed into ``payload``)
 
     def _open_file(self, shard: int) -> None:
         relative = f"{self.array_dir}/{self._layout.shard_key(shard)}"
