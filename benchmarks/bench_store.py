@@ -486,7 +486,9 @@ def run_hidden(hidden: int, settings: Settings, cold_method: str, log: Any) -> d
     modes = [("cold", True), ("warm", True)]
     if settings.bits_only:
         modes += [("cold_bits", False), ("warm_bits", False)]
-    if settings.disk_mbps and cold_method == "drop":
+    if settings.disk_mbps and cold_method == "drop" and not BLKIO.is_dir():
+        log(f"no cgroup v1 blkio controller at {BLKIO}: skipping the cold epochs at {settings.disk_mbps} MB/s")
+    elif settings.disk_mbps and cold_method == "drop":
         modes += [("slow", True)] + ([("slow_bits", False)] if settings.bits_only else [])
     for mode, decode in modes:
         layouts = [lay for lay in settings.layouts if decode or lay != BASELINE]
