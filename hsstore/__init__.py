@@ -9,6 +9,7 @@ Importing this package never imports torch, ray or transformers.
 """
 
 from hsstore import codecs
+from hsstore.commit import commit_shards, committed_shard_ids, ensure_store
 from hsstore.errors import (
     CodecError,
     CommitConflictError,
@@ -27,13 +28,7 @@ from hsstore.location import StoreLocation
 from hsstore.manifest import FORMAT_VERSION, FileEntry, ShardRecord, StoreManifest, parse_manifest
 from hsstore.store import Store, open_store
 from hsstore.verify import Problem, verify_store
-from hsstore.writer import (
-    ShardWriter,
-    StoreWriter,
-    commit_shards,
-    committed_shard_ids,
-    ensure_store,
-)
+from hsstore.writer import ShardWriter, StoreWriter
 
 __version__ = "0.1.0"
 

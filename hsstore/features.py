@@ -152,7 +152,7 @@ class FeatureSpec(BaseModel):
     @property
     def shard_tokens(self) -> int | None:
         """Tokens per Zarr shard file, or None for one file per store shard."""
-        return None if self.shard_chunks is None else self.chunk_tokens * self.shard_chunks
+        return None if self.shard_chunks is None else (self.chunk_tokens or 1) * self.shard_chunks
 
     def array_names(self) -> list[str]:
         """The Zarr arrays that hold this feature."""

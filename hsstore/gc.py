@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import time
 
+from hsstore.commit import require_manifest
 from hsstore.location import StoreLocation
-from hsstore.writer import SHARDS_DIR, require_manifest
+from hsstore.writer import SHARDS_DIR
 
 
 def collect_garbage(location: StoreLocation, *, min_age_s: float = 3600.0, dry_run: bool = False) -> list[str]:

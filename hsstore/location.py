@@ -234,3 +234,8 @@ def _fsync_dir(directory: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def as_location(url: str | os.PathLike[str] | StoreLocation, storage_options: dict[str, Any] | None = None) -> StoreLocation:
+    """``url`` as a :class:`StoreLocation` (a location is passed through as it is)."""
+    return url if isinstance(url, StoreLocation) else StoreLocation(url, storage_options)

@@ -111,7 +111,7 @@ def layout_of(array: Any) -> ChunkLayout | None:
     from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec, ZstdCodec
 
     metadata = array.metadata
-    codecs = getattr(metadata, "codecs", ())
+    codecs: tuple[Any, ...] = tuple(getattr(metadata, "codecs", ()))
     if len(codecs) != 1 or not isinstance(codecs[0], ShardingCodec):
         return None
     sharding = codecs[0]
@@ -530,10 +530,10 @@ class ArrayReader:
                 pieces.append([*parts, crc])
             self._read_bytes(shard, offset, nbytes, into=buffers)
             for chunk, parts in zip(run, pieces, strict=True):
-                crc = 0
+                computed = 0
                 for part in parts[:-1]:
-                    crc = google_crc32c.extend(crc, part)
-                if int(crc).to_bytes(CRC_BYTES, "little") != parts[-1].tobytes():
+                    computed = google_crc32c.extend(computed, part)
+                if int(computed).to_bytes(CRC_BYTES, "little") != parts[-1].tobytes():
                     raise self._corrupt(shard, f"chunk {chunk} fails its crc32c")
             return
         data = self._read_bytes(shard, offset, nbytes)

@@ -17,13 +17,14 @@ import numpy as np
 import pyarrow as pa
 
 from hsstore import codecs
+from hsstore.commit import require_manifest
 from hsstore.errors import ShardCorruptError
 from hsstore.features import TABLE_FEATURES, FeatureSpec
 from hsstore.lineage import Lineage
 from hsstore.location import StoreLocation
 from hsstore.manifest import ShardRecord, StoreManifest
 from hsstore.shardfile import ArrayReader, layout_of
-from hsstore.writer import FEATURES_DIR, SAMPLES_FILE, require_manifest
+from hsstore.writer import FEATURES_DIR, SAMPLES_FILE
 
 if TYPE_CHECKING:
     import torch

@@ -14,10 +14,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from hsstore.commit import LOCK_NAME, read_manifest
 from hsstore.errors import HsstoreError
 from hsstore.location import StoreLocation
 from hsstore.manifest import MANIFEST_NAME, ShardRecord, StoreManifest
-from hsstore.writer import FEATURES_DIR, LOCK_NAME, SAMPLES_FILE, read_manifest
+from hsstore.writer import FEATURES_DIR, SAMPLES_FILE
 
 # Files a store may hold besides shards; never reported as garbage.
 KNOWN_TOP_LEVEL = {MANIFEST_NAME, LOCK_NAME}

@@ -17,11 +17,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import random
-import threading
-import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -29,18 +26,15 @@ import numpy as np
 import pyarrow as pa
 
 from hsstore import codecs
-from hsstore.errors import CommitConflictError, ManifestError, StoreNotFoundError, StoreWriteError
+from hsstore.commit import commit_shards, ensure_store
+from hsstore.errors import StoreWriteError
 from hsstore.features import SCALE_SUFFIX, FeatureSpec
 from hsstore.lineage import Lineage
-from hsstore.location import StoreLocation
+from hsstore.location import StoreLocation, as_location
 from hsstore.manifest import (
-    MANIFEST_NAME,
     FileEntry,
     ShardRecord,
-    StoreManifest,
     check_shard_id,
-    now_iso,
-    parse_manifest,
     shard_checksum,
 )
 from hsstore.shardfile import ArrayStream, ChunkLayout, WrittenFile
@@ -50,7 +44,6 @@ logger = logging.getLogger(__name__)
 SHARDS_DIR = "shards"
 SAMPLES_FILE = "samples.arrow"
 FEATURES_DIR = "features.zarr"
-LOCK_NAME = "manifest.lock"
 # fp8 scale arrays group this many value chunks (and Zarr shards) into one.
 SCALE_GROUPING = 16
 
@@ -65,10 +58,6 @@ SAMPLE_SCHEMA = pa.schema(
         pa.field("loss_mask", pa.list_(pa.uint8()), nullable=False),
     ]
 )
-
-
-def _as_location(url: str | os.PathLike[str] | StoreLocation, storage_options: dict[str, Any] | None) -> StoreLocation:
-    return url if isinstance(url, StoreLocation) else StoreLocation(url, storage_options)
 
 
 def _to_numpy_1d(values: Any, dtype: Any, what: str) -> np.ndarray:
@@ -93,7 +82,7 @@ class ShardWriter:
     ):
         import zarr
 
-        self.location = _as_location(url, storage_options)
+        self.location = as_location(url, storage_options)
         self.shard_id = check_shard_id(shard_id)
         self.features = {spec.name: spec for spec in features}
         self.folder = f"{SHARDS_DIR}/{shard_id}.{uuid.uuid4().hex[:12]}"
@@ -300,225 +289,6 @@ def _list_array(values: list[np.ndarray], value_type: pa.DataType, dtype: Any) -
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(flat, value_type))
 
 
-# -- committing ---------------------------------------------------------------------------------
-
-
-def read_manifest(location: StoreLocation) -> StoreManifest | None:
-    """The committed manifest, or None for an empty location."""
-    try:
-        data = location.read_bytes(MANIFEST_NAME)
-    except FileNotFoundError:
-        return None
-    return parse_manifest(data, source=location.path(MANIFEST_NAME))
-
-
-def committed_shard_ids(
-    url: str | os.PathLike[str] | StoreLocation, storage_options: dict[str, Any] | None = None
-) -> set[str]:
-    """Shard ids already committed (empty for a store that does not exist yet): what a rerun skips."""
-    manifest = read_manifest(_as_location(url, storage_options))
-    return {shard.shard_id for shard in manifest.shards} if manifest else set()
-
-
-# In-process locks for backends whose data lives in this process (memory://), one per store root.
-_PROCESS_LOCKS: dict[str, threading.Lock] = {}
-_PROCESS_LOCKS_GUARD = threading.Lock()
-COMMIT_ATTEMPTS = 50
-
-
-@contextlib.contextmanager
-def _commit_lock(location: StoreLocation, timeout_s: float = 60.0):  # type: ignore[no-untyped-def]
-    """Serialise committers of one store where the backend allows it (see ``commit_guard``).
-
-    * local: ``flock`` on ``manifest.lock``. The kernel releases it when its holder dies, so a killed
-      committer never leaves a stale lock and a slow live one is never robbed of it (a lock file
-      judged stale by its age can be both). The file itself stays; it holds the last holder's pid.
-    * memory://: a lock of this process (the filesystem is this process's memory).
-    * object stores: nothing to hold; :func:`commit_shards` uses conditional PUTs where the backend
-      has them (S3) and retries on a conflict.
-
-    Raises :class:`CommitConflictError` when the lock cannot be had within ``timeout_s``.
-    """
-    if location.commit_guard == "local":
-        with _local_lock(location, timeout_s):
-            yield
-    elif location.commit_guard == "process":
-        with _PROCESS_LOCKS_GUARD:
-            lock = _PROCESS_LOCKS.setdefault(location.fs.unstrip_protocol(location.root), threading.Lock())
-        if not lock.acquire(timeout=timeout_s):
-            raise CommitConflictError(
-                f"{location.url}: another committer in this process held the store for over {timeout_s:.0f}s"
-            )
-        try:
-            yield
-        finally:
-            lock.release()
-    else:
-        yield
-
-
-@contextlib.contextmanager
-def _local_lock(location: StoreLocation, timeout_s: float):  # type: ignore[no-untyped-def]
-    import fcntl
-
-    location.makedirs("")
-    lock_path = location.path(LOCK_NAME)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
-        try:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise CommitConflictError(
-                            f"{lock_path}: another process has been committing for over "
-                            f"{timeout_s:.0f}s (holder pid in the file)"
-                        ) from None
-                    time.sleep(0.005)
-            # The file may have been replaced while we waited (an older hsstore unlinked its lock
-            # file on release): hold the lock of the file that is at the path now, or try again.
-            try:
-                current = os.stat(lock_path).st_ino
-            except FileNotFoundError:
-                current = None
-            if current != os.fstat(fd).st_ino:
-                os.close(fd)
-                continue
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-            try:
-                yield
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            return
-        finally:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-
-def _read_manifest_versioned(location: StoreLocation) -> tuple[StoreManifest | None, str | None]:
-    try:
-        data, version = location.read_bytes_versioned(MANIFEST_NAME)
-    except FileNotFoundError:
-        return None, None
-    return parse_manifest(data, source=location.path(MANIFEST_NAME)), version
-
-
-def commit_shards(
-    url: str | os.PathLike[str] | StoreLocation,
-    shards: Iterable[ShardRecord],
-    *,
-    features: Sequence[FeatureSpec],
-    lineage: Lineage,
-    storage_options: dict[str, Any] | None = None,
-) -> StoreManifest:
-    """Add shard records to the manifest, atomically. Creates the store on the first commit.
-
-    Records whose shard id is already committed are skipped (a retried unit), so committing is
-    idempotent; a commit that adds nothing to an existing store writes nothing. Features and lineage
-    must equal the store's: a store holds one extraction.
-
-    Any number of committers may run at once (several drivers, a driver and a retried actor): each
-    commit is a read-merge-write serialised by the backend's guard (``StoreLocation.commit_guard``),
-    and on S3 a conditional PUT that lost a race re-reads, merges and tries again, so no committed
-    shard is ever lost. Only the ``unguarded`` backends keep a small window (docs/reliability.md).
-    """
-    location = _as_location(url, storage_options)
-    records = list(shards)
-    delay = 0.01
-    for attempt in range(1, COMMIT_ATTEMPTS + 1):
-        try:
-            with _commit_lock(location):
-                return _commit_once(location, records, features, lineage)
-        except CommitConflictError as err:
-            if location.commit_guard in ("local", "process") or attempt == COMMIT_ATTEMPTS:
-                raise  # a lock timeout: retrying would only wait longer
-            logger.info("manifest commit conflict (attempt %d): %s; retrying", attempt, err)
-            # Jittered backoff so that racing committers spread out instead of colliding again.
-            time.sleep(delay * (0.5 + random.random()))
-            delay = min(delay * 2, 1.0)
-    raise AssertionError("unreachable")
-
-
-def _commit_once(
-    location: StoreLocation,
-    records: list[ShardRecord],
-    features: Sequence[FeatureSpec],
-    lineage: Lineage,
-) -> StoreManifest:
-    current, version = _read_manifest_versioned(location)
-    existing = current is not None
-    if current is None:
-        current = StoreManifest(features=list(features), lineage=lineage, generation=0)
-    else:
-        _check_same_contract(location, current, features, lineage)
-    committed = {shard.shard_id for shard in current.shards}
-    added: list[ShardRecord] = []
-    for record in records:
-        if record.shard_id in committed:
-            logger.info("shard %s already committed; keeping the first attempt", record.shard_id)
-            continue
-        committed.add(record.shard_id)
-        added.append(record)
-    if existing and not added:
-        return current
-    all_shards = sorted([*current.shards, *added], key=lambda s: s.shard_id)
-    manifest = StoreManifest(
-        format_version=current.format_version,
-        generation=current.generation + 1,
-        created_at=current.created_at,
-        updated_at=now_iso(),
-        features=current.features,
-        lineage=current.lineage,
-        shards=all_shards,
-        num_samples=sum(s.num_samples for s in all_shards),
-        num_tokens=sum(s.num_tokens for s in all_shards),
-    )
-    if location.commit_guard == "unguarded":
-        # No compare-and-swap on this backend: re-check just before the PUT (narrows the window).
-        latest = read_manifest(location)
-        latest_generation = latest.generation if latest is not None else None
-        if latest_generation != (current.generation if existing else None):
-            raise CommitConflictError(
-                f"{location.path(MANIFEST_NAME)}: another writer committed generation "
-                f"{latest_generation} while we prepared {manifest.generation}"
-            )
-    location.write_bytes_if(MANIFEST_NAME, manifest.to_json().encode(), version)
-    return manifest
-
-
-def _check_same_contract(
-    location: StoreLocation, current: StoreManifest, features: Sequence[FeatureSpec], lineage: Lineage
-) -> None:
-    ours = {spec.name: spec for spec in features}
-    if ours != current.feature_map:
-        raise ManifestError(
-            f"{location.url}: features differ from the store's "
-            f"(store: {sorted(current.feature_map)}, commit: {sorted(ours)}; codecs/shapes must match too)"
-        )
-    diffs = current.lineage.diff(lineage)
-    if diffs:
-        field, stored, given = diffs[0]
-        raise ManifestError(
-            f"{location.url}: lineage field {field!r} differs from the store's "
-            f"(store: {stored!r}, commit: {given!r}); write to a new store"
-        )
-
-
-def ensure_store(
-    url: str | os.PathLike[str] | StoreLocation,
-    *,
-    features: Sequence[FeatureSpec],
-    lineage: Lineage,
-    storage_options: dict[str, Any] | None = None,
-) -> StoreManifest:
-    """Create an empty store (or check an existing one against ``features`` and ``lineage``)."""
-    return commit_shards(url, [], features=features, lineage=lineage, storage_options=storage_options)
-
-
 class StoreWriter:
     """Single-process convenience: rolls shards at ``shard_max_tokens`` and commits each one.
 
@@ -535,7 +305,7 @@ class StoreWriter:
         shard_prefix: str = "s",
         storage_options: dict[str, Any] | None = None,
     ):
-        self.location = _as_location(url, storage_options)
+        self.location = as_location(url, storage_options)
         self.features = list(features)
         self.lineage = lineage
         self.shard_max_tokens = shard_max_tokens
@@ -580,12 +350,3 @@ class StoreWriter:
             self._shard.abort()
             self._shard = None
         self._commit_current()
-
-
-def require_manifest(location: StoreLocation) -> StoreManifest:
-    manifest = read_manifest(location)
-    if manifest is None:
-        raise StoreNotFoundError(
-            f"{location.url}: no committed store here ({MANIFEST_NAME} not found)"
-        )
-    return manifest

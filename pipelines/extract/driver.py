@@ -180,8 +180,8 @@ def run_extraction(
     if unit_rejects.by_unit:
         write_rejects(location, plan.rejections + unit_rejects.rejections())
 
+    from hsstore.commit import read_manifest
     from hsstore.gc import collect_garbage
-    from hsstore.writer import read_manifest
 
     # Every unit is committed now, so any other shard folder is a dead attempt (a killed worker
     # or driver, a retried unit): remove it, so that a finished run leaves a store that verifies

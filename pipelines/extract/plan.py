@@ -231,7 +231,7 @@ def reconcile_lineage(location: StoreLocation, lineage: Lineage) -> Lineage:
 
     Raises LineageMismatchError naming the first differing field otherwise, before any compute.
     """
-    from hsstore.writer import read_manifest
+    from hsstore.commit import read_manifest
 
     manifest = read_manifest(location)
     if manifest is None:

@@ -22,8 +22,8 @@ import pytest
 
 import hsstore
 from hsstore import CommitConflictError, StoreLocation
+from hsstore.commit import MANIFEST_NAME, _commit_lock
 from hsstore.verify import verify_store
-from hsstore.writer import MANIFEST_NAME, _commit_lock
 from tests.hsstore.helpers import make_lineage, make_sample, make_specs
 
 pytestmark = pytest.mark.reliability
@@ -133,7 +133,7 @@ HOLDER = textwrap.dedent(
     import sys, time
     sys.path.insert(0, {repo!r})
     from hsstore import StoreLocation
-    from hsstore.writer import _commit_lock
+    from hsstore.commit import _commit_lock
     with _commit_lock(StoreLocation(sys.argv[1])):
         print("locked", flush=True)
         time.sleep(600)
