@@ -154,6 +154,14 @@ class FeatureSpec(BaseModel):
         """Tokens per Zarr shard file, or None for one file per store shard."""
         return None if self.shard_chunks is None else (self.chunk_tokens or 1) * self.shard_chunks
 
+    def stored_arrays(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """``(Zarr array name, per-token shape, stored dtype)`` of every array holding this feature:
+        the values, plus the float32 scales for fp8. What writers, readers and checks iterate over."""
+        arrays = [(self.name, self.shape, self.storage_dtype)]
+        if self.has_scale:
+            arrays.append((self.name + SCALE_SUFFIX, self.scale_shape, "float32"))
+        return arrays
+
     def array_names(self) -> list[str]:
         """The Zarr arrays that hold this feature."""
-        return [self.name, self.name + SCALE_SUFFIX] if self.has_scale else [self.name]
+        return [name for name, _, _ in self.stored_arrays()]

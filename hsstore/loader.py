@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hsstore.errors import ShardCorruptError
-from hsstore.features import SCALE_SUFFIX, TABLE_FEATURES, FeatureSpec
+from hsstore.features import TABLE_FEATURES, FeatureSpec
 from hsstore.packing import (
     EpochPlan,
     LoaderError,
@@ -226,9 +226,15 @@ class StreamingLoader:
         self.prefetch_batches = prefetch_batches
         self.skip_corrupt = skip_corrupt
         self.decode_on_host = decode_on_host
-        # fp8 features the readers decode to bf16 (decode_on_host), and their per-thread scratch
+        # Fixed for the loader's life (read per batch): the features as stored, as batches hold
+        # them, and the fp8 ones the readers decode to bf16 (decode_on_host).
+        self._stored_specs = {name: self.store.features[name] for name in self.features}
         self._decoded_here = {
-            name: spec for name, spec in self.stored_specs.items() if decode_on_host and spec.codec == "fp8_e4m3"
+            name: spec for name, spec in self._stored_specs.items() if decode_on_host and spec.codec == "fp8_e4m3"
+        }
+        self._specs = {
+            name: spec.model_copy(update={"codec": "bf16"}) if name in self._decoded_here else spec
+            for name, spec in self._stored_specs.items()
         }
         self._scratch = threading.local()
         self._pool: dict[int, list[dict[str, np.ndarray]]] = {}  # batch buffers by row count
@@ -244,19 +250,13 @@ class StreamingLoader:
     @property
     def stored_specs(self) -> dict[str, FeatureSpec]:
         """The features read, as the store keeps them."""
-        return {name: self.store.features[name] for name in self.features}
+        return dict(self._stored_specs)
 
     @property
     def specs(self) -> dict[str, FeatureSpec]:
         """The features as batches hold them (what :func:`to_device` needs): the stored codecs, or
         with ``decode_on_host`` fp8 features as bf16 bits (decoded by the loader)."""
-        specs = self.stored_specs
-        if self.decode_on_host:
-            specs = {
-                name: spec.model_copy(update={"codec": "bf16"}) if spec.codec == "fp8_e4m3" else spec
-                for name, spec in specs.items()
-            }
-        return specs
+        return dict(self._specs)
 
     @property
     def num_samples(self) -> int:
@@ -397,12 +397,11 @@ class StreamingLoader:
                         for b, length in enumerate(row_lengths):
                             array[b, length:] = 0
                     return dict(arrays)
-            arrays = {}
-            for name, spec in self.specs.items():
-                for array_name in spec.array_names():
-                    per_token = spec.shape if array_name == name else spec.scale_shape
-                    dtype = np.dtype(spec.storage_dtype) if array_name == name else np.dtype(np.float32)
-                    arrays[array_name] = np.zeros((num_rows, self.token_budget, *per_token), dtype=dtype)
+            arrays = {
+                array_name: np.zeros((num_rows, self.token_budget, *per_token), dtype=dtype)
+                for spec in self._specs.values()
+                for array_name, per_token, dtype in spec.stored_arrays()
+            }
             sets = self._pool.setdefault(num_rows, [])
             if len(sets) < self.prefetch_batches + 4:  # in flight + being consumed + a margin
                 sets.append(arrays)
@@ -445,11 +444,8 @@ class StreamingLoader:
 
         targets = {key: value for key, value in out.items() if key not in self._decoded_here}
         scratch = self._scratch.__dict__
-        for name, spec in self._decoded_here.items():
-            for key, per_token, dtype in (
-                (name, spec.shape, np.uint8),
-                (name + SCALE_SUFFIX, spec.scale_shape, np.float32),
-            ):
+        for spec in self._decoded_here.values():
+            for key, per_token, dtype in spec.stored_arrays():
                 size = length * int(np.prod(per_token, dtype=np.int64))
                 buffer = scratch.get(key)
                 if buffer is None or buffer.size < size:
@@ -458,7 +454,7 @@ class StreamingLoader:
         self.store.read_token_range(shard_id, offset, offset + length, self.features, out=targets)
         for name, spec in self._decoded_here.items():
             bf16 = torch.from_numpy(out[name].view(np.int16)).view(torch.bfloat16)
-            raw = {name: targets[name], name + SCALE_SUFFIX: targets[name + SCALE_SUFFIX]}
+            raw = {key: targets[key] for key in spec.array_names()}
             codecs.decode_torch(spec, raw, out=bf16, threads=1)
 
     def _columns(self, shard: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -502,7 +498,7 @@ class StreamingLoader:
                 logger.warning("skipping sample %s: %s", name, err)
                 failed.setdefault(n, set()).add(s)
         wait_s = time.perf_counter() - started
-        bytes_per_token = sum(spec.raw_bytes_per_token for spec in self.stored_specs.values())
+        bytes_per_token = sum(spec.raw_bytes_per_token for spec in self._stored_specs.values())
         out = []
         for n, (epoch, j, rows, arrays) in enumerate(batches):
             skipped = failed.get(n, set())

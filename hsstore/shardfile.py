@@ -25,6 +25,7 @@ module understands and anything else is read through zarr.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import os
 import threading
@@ -246,9 +247,10 @@ class ArrayStream:
         self._num_chunks += 1
         self._in_flight.append(self._pool.submit(self._write_chunk, number, chunk))
 
-    def close(self) -> tuple[int, list[WrittenFile]]:
-        """Write the last (zero-padded) chunk and the open file's index. Returns the tokens per Zarr
-        shard (what ``zarr.json`` must declare) and the files written, with sizes and sha256."""
+    def close(self) -> tuple[ChunkLayout, list[WrittenFile]]:
+        """Write the last (zero-padded) chunk and the open file's index. Returns the layout written
+        (what ``zarr.json`` must declare, with the final tokens per Zarr shard) and the files
+        written, with sizes and sha256."""
         if self._filled:
             self._chunk[self._filled :] = 0  # zarr stores edge chunks whole
             self._submit(self._chunk)
@@ -260,7 +262,7 @@ class ArrayStream:
         self._hasher.shutdown(wait=True)
         if self._hash_error is not None:
             raise self._hash_error
-        return shard_tokens, list(self._written)
+        return dataclasses.replace(self._layout, shard_tokens=shard_tokens), list(self._written)
 
     def wait(self) -> None:
         """Wait for the chunks in flight; re-raises the first error."""
@@ -487,9 +489,13 @@ class ArrayReader:
             run.append(chunk)
         self._flush_run(shard, run, index, start, stop, dest, dest_start)
 
+    def _first_row(self, shard: int, chunk: int) -> int:
+        """The array row where ``chunk`` of Zarr shard ``shard`` starts."""
+        return shard * self.layout.shard_tokens + chunk * self.layout.chunk_tokens
+
     def _clip(self, shard: int, chunk: int, start: int, stop: int) -> tuple[int, int]:
         """The rows of ``chunk`` (of Zarr shard ``shard``) that are inside ``[start, stop)``."""
-        first_row = shard * self.layout.shard_tokens + chunk * self.layout.chunk_tokens
+        first_row = self._first_row(shard, chunk)
         return max(start, first_row), min(stop, first_row + self.layout.chunk_tokens)
 
     def _flush_run(
@@ -511,8 +517,7 @@ class ArrayReader:
             pieces: list[list[Any]] = []  # per chunk: its data parts in order, then its crc
             for chunk in run:
                 lo, hi = self._clip(shard, chunk, start, stop)
-                chunk_first = shard * layout.shard_tokens + chunk * layout.chunk_tokens
-                head = (lo - chunk_first) * row
+                head = (lo - self._first_row(shard, chunk)) * row
                 body = dest[(lo - dest_start) * row : (hi - dest_start) * row]
                 tail = layout.chunk_bytes - head - len(body)
                 parts: list[Any] = []
@@ -546,7 +551,7 @@ class ArrayReader:
             if int(google_crc32c.value(payload)).to_bytes(CRC_BYTES, "little") != stored.tobytes():
                 raise self._corrupt(shard, f"chunk {chunk} fails its crc32c")
             lo, hi = self._clip(shard, chunk, start, stop)
-            chunk_first = shard * layout.shard_tokens + chunk * layout.chunk_tokens
+            chunk_first = self._first_row(shard, chunk)
             target = dest[(lo - dest_start) * row : (hi - dest_start) * row]
             try:
                 if hi - lo == layout.chunk_tokens:

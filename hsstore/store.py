@@ -36,6 +36,7 @@ class Store:
     def __init__(self, location: StoreLocation, manifest: StoreManifest):
         self.location = location
         self.manifest = manifest
+        self._features = manifest.feature_map  # pinned with the manifest; looked up on every read
         self._shard_index = {shard.shard_id: i for i, shard in enumerate(manifest.shards)}
         self._tables: dict[str, pa.Table] = {}
         self._arrays: dict[tuple[str, str], Any] = {}
@@ -77,7 +78,7 @@ class Store:
 
     @property
     def features(self) -> dict[str, FeatureSpec]:
-        return self.manifest.feature_map
+        return self._features
 
     @property
     def shards(self) -> list[ShardRecord]:

@@ -127,9 +127,8 @@ def _check_arrays(location: StoreLocation, manifest: StoreManifest, shard: Shard
     problems = []
     root = f"{shard.path}/{FEATURES_DIR}"
     for spec in manifest.features:
-        for array_name in spec.array_names():
+        for array_name, tail, _ in spec.stored_arrays():
             where = f"{root}/{array_name}"
-            tail = spec.scale_shape if array_name != spec.name else spec.shape
             try:
                 array: Any = zarr.open_array(location.zarr_store(root, read_only=True), path=array_name, mode="r")
             except Exception as err:

@@ -98,7 +98,7 @@ class ShardWriter:
         # the arrays' zarr.json is written by zarr in finish(), once the token count is known.
         self._streams: dict[str, ArrayStream] = {}
         for spec in features:
-            for array_name in spec.array_names():
+            for array_name, tail, dtype in spec.stored_arrays():
                 is_scale = array_name != spec.name
                 chunk_tokens = spec.chunk_tokens or 1
                 shard_tokens = spec.shard_tokens
@@ -110,8 +110,8 @@ class ShardWriter:
                 self._streams[array_name] = ArrayStream(
                     self.location,
                     f"{self._work}/{FEATURES_DIR}/{array_name}",
-                    tail=spec.scale_shape if is_scale else spec.shape,
-                    dtype="float32" if is_scale else spec.storage_dtype,
+                    tail=tail,
+                    dtype=dtype,
                     chunk_tokens=chunk_tokens,
                     shard_tokens=shard_tokens,
                     compression=spec.compression,
@@ -186,9 +186,9 @@ class ShardWriter:
         self._finished = True
         try:
             for array_name, stream in self._streams.items():
-                shard_tokens, written = stream.close()
+                layout, written = stream.close()
                 self._written.extend(written)
-                self._write_array_metadata(array_name, stream, shard_tokens)
+                self._write_array_metadata(array_name, stream.num_tokens, layout)
             self._write_samples_table()
             if self.location.is_local:
                 self.location.rename_dir(self._work, self.folder)
@@ -239,16 +239,15 @@ class ShardWriter:
         with self.location.fs.open(path, "wb") as handle:
             handle.write(data)
 
-    def _write_array_metadata(self, array_name: str, stream: ArrayStream, shard_tokens: int) -> None:
-        """``zarr.json`` of one array, by zarr itself, declaring exactly what the stream wrote."""
+    def _write_array_metadata(self, array_name: str, num_tokens: int, layout: ChunkLayout) -> None:
+        """``zarr.json`` of one array, by zarr itself, declaring exactly the layout the stream wrote."""
         spec = self.features[array_name.removesuffix(SCALE_SUFFIX)]
-        layout = ChunkLayout(stream.tail, stream.dtype, stream.chunk_tokens, shard_tokens, spec.compression, spec.compression_level)
         self._group.create_array(
             array_name,
-            shape=(stream.num_tokens, *stream.tail),
-            dtype=stream.dtype,
-            chunks=(stream.chunk_tokens, *stream.tail),
-            shards=(shard_tokens, *stream.tail),
+            shape=(num_tokens, *layout.tail),
+            dtype=layout.dtype,
+            chunks=(layout.chunk_tokens, *layout.tail),
+            shards=(layout.shard_tokens, *layout.tail),
             compressors=layout.zarr_compressors(),
             fill_value=0,
             chunk_key_encoding={"name": "default", "separator": "/"},
@@ -259,12 +258,13 @@ class ShardWriter:
         # The data files were hashed while they were written; hash the rest (tables, zarr.json).
         prefix = self._work + "/"
         streamed = {self.folder + "/" + f.path.removeprefix(prefix): f for f in self._written}
-        paths = [p for p in self.location.list_files(self.folder) if p not in streamed]
+        all_paths = self.location.list_files(self.folder)
+        paths = [p for p in all_paths if p not in streamed]
         # hashlib releases the GIL on large blocks: hash the files side by side.
         with ThreadPoolExecutor(max_workers=min(8, len(paths) or 1)) as pool:
             digests = dict(zip(paths, pool.map(self.location.sha256, paths), strict=True))
         files = []
-        for path in self.location.list_files(self.folder):
+        for path in all_paths:
             if path in streamed:
                 files.append(FileEntry(path=path, size=streamed[path].size, sha256=streamed[path].sha256))
             else:

@@ -31,8 +31,9 @@ def write_stream(root: Path, rows: np.ndarray, *, chunk_tokens: int, shard_token
     cuts = np.linspace(0, len(rows), pieces + 1).astype(int)
     for a, b in zip(cuts[:-1], cuts[1:], strict=True):
         stream.append(rows[a:b])
-    shard, written = stream.close()
-    layout = ChunkLayout(rows.shape[1:], rows.dtype, chunk_tokens, shard, compression)
+    layout, written = stream.close()
+    shard = layout.shard_tokens
+    assert layout == ChunkLayout(rows.shape[1:], rows.dtype, chunk_tokens, shard, compression)
     array = group.create_array(
         "x", shape=rows.shape, dtype=rows.dtype, chunks=(chunk_tokens, *rows.shape[1:]), shards=(shard, *rows.shape[1:]),
         compressors=layout.zarr_compressors(), fill_value=0, chunk_key_encoding={"name": "default", "separator": "/"},
@@ -165,8 +166,8 @@ def test_streaming_holds_a_few_chunks_not_the_shard(tmp_path):
     for _ in range(200):
         stream.append(block)
         assert len(stream._in_flight) <= 2
-    shard_tokens, written = stream.close()
-    assert shard_tokens == 1000 and len(written) == 1
+    layout, written = stream.close()
+    assert layout.shard_tokens == 1000 and len(written) == 1
     assert written[0].size == 125 * (8 * 64 * 2 + 4) + 125 * 16 + 4
 
 
