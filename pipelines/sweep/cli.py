@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from pipelines.recipe import add_recipe_arguments
+
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
@@ -16,15 +18,11 @@ def register(subparsers: Any) -> None:
             "results.csv and plots under the sweep's output_dir. A rerun skips finished points."
         ),
     )
-    parser.add_argument("recipe", help="sweep recipe YAML (see recipes/reference/sweep.yaml)")
+    add_recipe_arguments(parser, "recipes/reference/sweep.yaml", "--set executor=ray --set overrides.max_steps=20")
     parser.add_argument(
         "--grid", action="append", default=[], metavar="KEY=V1,V2",
         help="sweep a dotted TrainRecipe key over comma-separated YAML values (replaces the recipe's "
         "grid entry for KEY); repeat for a product",
-    )
-    parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override a key of the sweep recipe (--set executor=ray --set overrides.max_steps=20)",
     )
     parser.add_argument("--executor", choices=["sequential", "ray"], help="shorthand for --set executor=...")
     parser.add_argument("--dry-run", action="store_true", help="list the points and their status, train nothing")
