@@ -26,9 +26,26 @@ import torch
 from torch import nn
 
 AUX_FEATURE = "aux_hidden_states"
+
+# Architectures (``config.model_type``) whose valid tokens' features are the same with and without
+# the padding mask under right padding: decoder-only, causal attention (full or sliding window),
+# per-token norms and MLPs (per-token expert routing too), rotary positions from 0. Each is
+# checked by tests/pipelines/extract/test_capture.py on a tiny random model; add a type here only
+# with its test. Others get the mask (``batching.pass_attention_mask: auto``).
+MASK_FREE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe"})
 FINAL_FEATURE = "final_hidden_state"
 TOPK_LOGITS_FEATURE = "topk_logits"
 TOPK_IDS_FEATURE = "topk_ids"
+
+
+def resolve_pass_attention_mask(setting: bool | str | None, model_type: str | None) -> bool:
+    """``batching.pass_attention_mask``: ``auto`` (or None) passes the mask only for architectures
+    not in :data:`MASK_FREE_MODEL_TYPES`; a bool is taken as given."""
+    if isinstance(setting, bool):
+        return setting
+    if setting not in (None, "auto"):
+        raise ValueError(f"pass_attention_mask must be true, false or auto, got {setting!r}")
+    return model_type not in MASK_FREE_MODEL_TYPES
 
 
 class UnsupportedModelError(ValueError):

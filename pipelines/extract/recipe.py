@@ -124,10 +124,12 @@ class BatchingSection(RecipeModel):
     pad_to_multiple_of: int = Field(
         8, ge=1, description="round the padded length up (kernel-friendly)"
     )
-    pass_attention_mask: bool = Field(
-        True,
-        description="give the model the padding mask; with right padding and causal attention the "
-        "valid tokens are identical without it, and some kernels are faster then",
+    pass_attention_mask: bool | Literal["auto"] = Field(
+        "auto",
+        description="give the model the padding mask. auto: not for the architectures where right "
+        "padding and causal attention make the valid tokens' features identical without it "
+        "(tested: llama, mistral, qwen2, qwen3, qwen3_moe), where SDPA then takes its faster "
+        "causal kernel; yes for any other architecture",
     )
 
     @model_validator(mode="after")

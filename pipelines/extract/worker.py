@@ -30,7 +30,7 @@ import torch
 from hsstore import FeatureSpec, ShardRecord, ShardWriter
 from hsstore.errors import HsstoreError
 from pipelines.extract.batching import Batch, collate, plan_batches, round_up
-from pipelines.extract.capture import HiddenStateCapture
+from pipelines.extract.capture import HiddenStateCapture, resolve_pass_attention_mask
 from pipelines.extract.errors import ExtractionError
 from pipelines.extract.records import Rejection, RejectReason
 from pipelines.extract.sink import SampleRow, ShardSink
@@ -114,7 +114,7 @@ class WorkerSpec:
     token_budget: int = 16384
     max_batch_size: int | None = None
     pad_to_multiple_of: int = 8
-    pass_attention_mask: bool = True
+    pass_attention_mask: bool | str = "auto"  # see capture.resolve_pass_attention_mask
     pad_token_id: int = 0
     storage_options: dict[str, Any] = field(default_factory=dict)
 
@@ -178,7 +178,10 @@ class ExtractionWorker:
             final_hidden_state=spec.final_hidden_state,
             topk_k=spec.topk_k,
             topk_chunk_tokens=spec.topk_chunk_tokens,
-            pass_attention_mask=spec.pass_attention_mask,
+            pass_attention_mask=resolve_pass_attention_mask(
+                spec.pass_attention_mask,
+                getattr(getattr(self.model, "config", None), "model_type", None),
+            ),
         )
 
     def run_unit(

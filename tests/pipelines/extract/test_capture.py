@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from pipelines.extract.batching import Batch, collate
-from pipelines.extract.capture import HiddenStateCapture, UnsupportedModelError, find_decoder_parts
+from pipelines.extract.capture import (
+    MASK_FREE_MODEL_TYPES,
+    HiddenStateCapture,
+    UnsupportedModelError,
+    find_decoder_parts,
+    resolve_pass_attention_mask,
+)
 from pipelines.extract.worker import load_target
 
 
@@ -107,17 +113,69 @@ def test_reference_target_batched_equals_unbatched(reference_target: Path) -> No
             offset += len(ids)
 
 
-def test_attention_mask_is_optional_with_right_padding(tiny_qwen3: Path) -> None:
-    """batching.pass_attention_mask=false is exact: causal attention never looks right."""
-    model = load_target(str(tiny_qwen3), dtype="float32")
-    token_ids = random_sequences([13, 3, 8], seed=5)
-    input_ids, attention_mask = collate(token_ids, batch_of(token_ids), pad_token_id=0)
+def tiny_model_of(model_type: str) -> torch.nn.Module:
+    """A random 3-layer model of ``model_type``, in memory, float32."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra: dict = {"qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                 "decoder_sparse_step": 1, "mlp_only_layers": []},
+                   "mistral": {"sliding_window": 8}}.get(model_type, {})
+    config = AutoConfig.for_model(
+        model_type, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **extra,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(20.0)
+    return model.eval()
+
+
+@pytest.mark.parametrize("model_type", sorted(MASK_FREE_MODEL_TYPES))
+def test_attention_mask_is_optional_with_right_padding(model_type: str) -> None:
+    """Every architecture the ``auto`` default runs without a mask: right padding + causal attention
+    give the valid tokens the same features with and without it (Mistral with a sliding window
+    shorter than the rows, Qwen3-MoE with per-token routing)."""
+    model = tiny_model_of(model_type)
+    assert not resolve_pass_attention_mask("auto", model.config.model_type)
+    token_ids = [t % 512 for t in random_sequences([13, 3, 20, 8], seed=5)]
+    input_ids, attention_mask = collate(token_ids, batch_of(token_ids), pad_token_id=7)
     outputs = []
     for pass_mask in (True, False):
         with HiddenStateCapture(model, [1, 3], pass_attention_mask=pass_mask) as capture:
             outputs.append(capture(torch.from_numpy(input_ids), torch.from_numpy(attention_mask)))
     for name in ("aux_hidden_states", "final_hidden_state"):
         torch.testing.assert_close(outputs[0][name], outputs[1][name], rtol=1e-5, atol=1e-5)
+    # And both equal each row run alone (the truth the mask is meant to protect).
+    offset = 0
+    for ids in token_ids:
+        alone = reference_forward(model, ids)
+        torch.testing.assert_close(outputs[1]["final_hidden_state"][offset : offset + len(ids)], alone[-1], rtol=1e-5, atol=1e-5)
+        offset += len(ids)
+
+
+def test_reference_target_needs_no_mask(reference_target: Path) -> None:
+    """The reference target (Qwen3) in its own bf16: the default (no mask) gives the masked features."""
+    model = load_target(str(reference_target), dtype="bfloat16")
+    assert not resolve_pass_attention_mask("auto", model.config.model_type)
+    token_ids = random_sequences([40, 7, 23, 31], seed=3)
+    input_ids, attention_mask = collate(token_ids, batch_of(token_ids), pad_token_id=0)
+    outputs = []
+    for pass_mask in (True, False):
+        with HiddenStateCapture(model, [2, 4, 5], pass_attention_mask=pass_mask) as capture:
+            outputs.append(capture(torch.from_numpy(input_ids), torch.from_numpy(attention_mask)))
+    for name in ("aux_hidden_states", "final_hidden_state"):
+        # bf16 kernels may order sums differently with and without a mask: within bf16's rounding.
+        assert relative_error(outputs[1][name], outputs[0][name]) < 1e-2
+
+
+def test_unknown_architectures_keep_the_mask() -> None:
+    assert resolve_pass_attention_mask("auto", "gemma3") is True
+    assert resolve_pass_attention_mask("auto", None) is True
+    assert resolve_pass_attention_mask(True, "qwen3") is True
+    assert resolve_pass_attention_mask(False, "gemma3") is False
+    with pytest.raises(ValueError, match="true, false or auto"):
+        resolve_pass_attention_mask("sometimes", "qwen3")
 
 
 def test_padding_values_do_not_leak(tiny_llama: Path) -> None:
