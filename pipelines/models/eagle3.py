@@ -23,7 +23,10 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
+from pipelines.models.ttt_attention import EagerTTTAttention, FlexTTTAttention
+
 KVCache = tuple[torch.Tensor, torch.Tensor]
+TTTAttention = EagerTTTAttention | FlexTTTAttention
 
 
 class Eagle3Config(BaseModel):
@@ -230,7 +233,8 @@ class Attention(nn.Module):
         position_ids_BT: torch.Tensor,
         attention_mask: torch.Tensor | None,
         past_key_values: KVCache | None,
-        diagonal_kv: list[KVCache] | None = None,
+        ttt: TTTAttention | None = None,
+        depth: int = 0,
     ) -> tuple[torch.Tensor, KVCache]:
         cfg = self.config
         B, T, _ = x_BTC.shape
@@ -239,9 +243,8 @@ class Attention(nn.Module):
         v = self.v_proj(x_BTC).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
         inv_freq = rope_inv_freq(cfg, x_BTC.device)
         q, k = apply_rope(q, position_ids_BT, inv_freq), apply_rope(k, position_ids_BT, inv_freq)
-        if diagonal_kv is not None:
-            assert past_key_values is not None and attention_mask is not None
-            out = self._ttt_attention(q, past_key_values, attention_mask, [*diagonal_kv, (k, v)])
+        if ttt is not None:  # training-time test: the unroll's attention owns the keys
+            out = ttt.attend(q, k, v, depth)
             return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), (k, v)
         if past_key_values is not None:
             k = torch.cat([past_key_values[0], k], dim=2)
@@ -264,40 +267,6 @@ class Attention(nn.Module):
         )
         out = out.transpose(1, 2).reshape(B, T, cfg.num_attention_heads * cfg.head_dim)
         return self.o_proj(out), (k, v)
-
-
-    def _ttt_attention(
-        self,
-        q_BNTD: torch.Tensor,
-        base_kv: KVCache,
-        base_mask_BTS: torch.Tensor,
-        diagonal_kv: list[KVCache],
-    ) -> torch.Tensor:
-        """TTT depth i >= 1: attend to the depth-0 keys under ``base_mask`` plus, per position, its
-        own keys of depths 1..i (``diagonal_kv``, each [B, kv_heads, T, D]).
-
-        Equal to attention over the concatenated cache with a [T, (i+1) T] mask whose depth blocks
-        are diagonal, but it never builds those blocks: the diagonal scores are dot products, so
-        the cost stays one T x T score matrix per depth instead of T x (i+1) T."""
-        cfg = self.config
-        k0, v0 = base_kv
-        B, N, T, D = q_BNTD.shape
-        G = N // cfg.num_key_value_heads
-        q = q_BNTD.view(B, cfg.num_key_value_heads, G, T, D)  # group query heads per kv head
-        scale = 1.0 / math.sqrt(D)
-        base_scores = torch.einsum("bhgtd,bhsd->bhgts", q, k0) * scale
-        base_scores = base_scores.masked_fill(~base_mask_BTS.bool()[:, None, None], float("-inf"))
-        diag_scores = torch.stack(
-            [(q * k_j[:, :, None]).sum(-1) * scale for k_j, _ in diagonal_kv], dim=-1
-        )  # [B, kv, G, T, i]
-        scores = torch.cat([base_scores, diag_scores], dim=-1)
-        weights = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
-        weights = weights.to(q.dtype)
-        S = k0.shape[2]
-        out = torch.einsum("bhgts,bhsd->bhgtd", weights[..., :S], v0)
-        for j, (_, v_j) in enumerate(diagonal_kv):
-            out = out + weights[..., S + j, None] * v_j[:, :, None]
-        return out.reshape(B, N, T, D)
 
 
 class MLP(nn.Module):
@@ -329,10 +298,11 @@ class DecoderLayer(nn.Module):
         position_ids_BT: torch.Tensor,
         attention_mask: torch.Tensor | None,
         past_key_values: KVCache | None,
-        diagonal_kv: list[KVCache] | None = None,
+        ttt: TTTAttention | None = None,
+        depth: int = 0,
     ) -> tuple[torch.Tensor, KVCache]:
         x = torch.cat([self.input_layernorm(embeds_BTD), self.hidden_norm(hidden_BTD)], dim=-1)
-        attn, kv = self.self_attn(x, position_ids_BT, attention_mask, past_key_values, diagonal_kv)
+        attn, kv = self.self_attn(x, position_ids_BT, attention_mask, past_key_values, ttt, depth)
         h = hidden_BTD + attn
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, kv
@@ -415,19 +385,20 @@ class Eagle3Draft(nn.Module):
         attention_mask: torch.Tensor | None = None,
         past_key_values: KVCache | None = None,
         use_cache: bool = False,
-        diagonal_kv: list[KVCache] | None = None,
+        ttt: TTTAttention | None = None,
+        depth: int = 0,
     ) -> Eagle3Output:
         """One draft step. ``attention_mask`` None = causal over cache + new keys (and the sliding
         window when configured); otherwise bool [B, Q, S_past + Q], True = may attend, used as
         given (the caller applies any window to explicit masks).
 
-        TTT mode (training, ``pipelines.train.ttt``): with ``diagonal_kv`` (the keys this row
-        produced at depths 1..i-1), ``past_key_values`` are the depth-0 keys, ``attention_mask``
-        is bool [B, T, S_0] over them, and each position also sees its own diagonal keys; the
-        returned cache is this depth's (k, v) alone."""
+        TTT mode (training, ``pipelines.train.ttt``): ``ttt`` (``pipelines.models.ttt_attention``)
+        holds the unroll's keys and does depth ``depth``'s attention (the depth-0 keys of the
+        same document plus each position's own keys of depths 1..depth); masks and caches passed
+        here are ignored, and the returned cache is this depth's (k, v) alone."""
         embeds = self.embed_tokens(input_ids_BT).to(hidden_BTD.dtype)
         hidden, kv = self.midlayer(
-            embeds, hidden_BTD, position_ids_BT, attention_mask, past_key_values, diagonal_kv
+            embeds, hidden_BTD, position_ids_BT, attention_mask, past_key_values, ttt, depth
         )
         return Eagle3Output(hidden_BTD=hidden, past_key_values=kv if use_cache else None)
 

@@ -136,3 +136,92 @@ def build_teacher(
             )
         return teacher_from_draft_probs(probs)
     raise ValueError(f"unknown teacher mode {mode!r} (final_hidden, topk, draft_probs)")
+
+
+# -- teachers read row by row (the training loss: pipelines.train.loss) ------------------------
+
+
+class DenseTeacherRows:
+    """Rows of an already dense ``[B, T, V_draft]`` distribution (tests, the evaluation proxy)."""
+
+    def __init__(self, probs_BTV: torch.Tensor) -> None:
+        self.probs_NV = probs_BTV.reshape(-1, probs_BTV.shape[-1])
+
+    def probs(self, rows_N: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.probs_NV[rows_N].to(dtype)
+
+
+class TeacherHead:
+    """The target's lm_head split once per run into the draft-vocabulary rows (the teacher's
+    logits) and the rows outside it (only ever maxed, to tell whether the target's argmax is a
+    token the draft can propose). Building it costs one gather of the head; every step then
+    reuses both halves instead of gathering a gigabyte of weights per step."""
+
+    def __init__(
+        self, lm_head_VH: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        device = lm_head_VH.device
+        weight = lm_head_VH if dtype is None else lm_head_VH.to(dtype)
+        self.draft_rows_VH = weight[draft_vocab_ids(d2t.to(device))].contiguous()
+        outside = ~t2d.to(device)
+        self.outside_rows_VH = weight[outside].contiguous() if bool(outside.any()) else None
+
+    @torch.no_grad()
+    def valid(self, hidden_NH: torch.Tensor, chunk_elements: int = 1 << 26) -> torch.Tensor:
+        """Bool [N]: the target's argmax over its whole vocabulary lies in the draft vocabulary
+        (ties count as inside). Chunked over positions and vocabulary, no host syncs."""
+        N = hidden_NH.shape[0]
+        valid = torch.ones(N, dtype=torch.bool, device=hidden_NH.device)
+        if self.outside_rows_VH is None or N == 0:
+            return valid
+        h = hidden_NH.to(self.draft_rows_VH.dtype)
+        rows = max(1, chunk_elements // max(self.outside_rows_VH.shape[0], self.draft_rows_VH.shape[0]))
+        for start in range(0, N, rows):
+            h_c = h[start : start + rows]
+            best_inside = (h_c @ self.draft_rows_VH.T).float().amax(-1)
+            best_outside = torch.full_like(best_inside, float("-inf"))
+            vocab_step = max(1, chunk_elements // h_c.shape[0])
+            for v in range(0, self.outside_rows_VH.shape[0], vocab_step):
+                logits = h_c @ self.outside_rows_VH[v : v + vocab_step].T
+                best_outside = torch.maximum(best_outside, logits.float().amax(-1))
+            valid[start : start + rows] = best_inside >= best_outside
+        return valid
+
+
+class FinalHiddenTeacherRows:
+    """Teacher rows from the stored post-norm final state: a softmax over the draft-vocabulary
+    logits, recomputed per chunk of positions (one [chunk, H] x [H, V_draft] matmul)."""
+
+    def __init__(self, final_hidden_BTH: torch.Tensor, head: TeacherHead) -> None:
+        self.hidden_NH = final_hidden_BTH.reshape(-1, final_hidden_BTH.shape[-1])
+        self.head = head
+
+    def valid(self) -> torch.Tensor:
+        return self.head.valid(self.hidden_NH)
+
+    def probs(self, rows_N: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        weight = self.head.draft_rows_VH
+        logits = self.hidden_NH[rows_N].to(weight.dtype) @ weight.T
+        return torch.softmax(logits.to(dtype), dim=-1)
+
+
+def teacher_rows(
+    mode: str,
+    features: Mapping[str, torch.Tensor],
+    *,
+    d2t: torch.Tensor,
+    t2d: torch.Tensor,
+    head: TeacherHead | None = None,
+) -> tuple[DenseTeacherRows | FinalHiddenTeacherRows, torch.Tensor]:
+    """``(rows, valid_BT)`` for the training loss. ``final_hidden`` streams rows from the final
+    state through ``head``; the compact modes (top-k, draft probabilities) are small per position
+    already and go through the dense builders above."""
+    if mode == FINAL_HIDDEN:
+        if head is None:
+            raise ValueError("teacher mode 'final_hidden' needs a TeacherHead (the target's lm_head)")
+        final = features["final_hidden_state"]
+        rows = FinalHiddenTeacherRows(final, head)
+        return rows, rows.valid().reshape(final.shape[:2])
+    dense = build_teacher(mode, features, d2t=d2t, t2d=t2d)
+    return DenseTeacherRows(dense.probs_BTV), dense.valid_BT

@@ -26,9 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from pipelines.models.eagle3 import Eagle3Draft
+from pipelines.models.ttt_attention import make_ttt_attention, ttt_base_mask
+from pipelines.train.loss import TeacherRows, linear_soft_cross_entropy
+from pipelines.train.teacher import DenseTeacherRows
 
 DEFAULT_TTT_LENGTH = 7
 DEFAULT_DECAY = 0.8
@@ -68,26 +70,6 @@ def shift_left(x_BT: torch.Tensor, k: int, fill: int | bool | float = 0) -> torc
     return torch.cat([x_BT[:, k:], pad], dim=1)
 
 
-def ttt_attention_mask(
-    doc_ids_BT: torch.Tensor,
-    position_ids_BT: torch.Tensor,
-    depth: int,
-    sliding_window: int | None,
-) -> torch.Tensor:
-    """Bool [B, T, T]: which depth-0 keys the depth-``depth`` query at t sees (causal, same
-    document, windowed by RoPE distance). The diagonal depth blocks (each position's own drafted
-    keys) are implicit: ``Eagle3Draft.forward(..., diagonal_kv=...)`` scores them as dot products."""
-    T = doc_ids_BT.shape[1]
-    idx = torch.arange(T, device=doc_ids_BT.device)
-    base = (idx[None, :, None] >= idx[None, None, :]) & (
-        doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :]
-    )
-    if sliding_window is not None:
-        distance = position_ids_BT[:, :, None] + depth - position_ids_BT[:, None, :]
-        base = base & (distance < sliding_window)
-    return base
-
-
 def ttt_unroll(
     draft: Eagle3Draft,
     aux_BTKH: torch.Tensor,
@@ -95,9 +77,12 @@ def ttt_unroll(
     position_ids_BT: torch.Tensor,
     doc_ids_BT: torch.Tensor | None = None,
     ttt_length: int = DEFAULT_TTT_LENGTH,
+    attention: str = "auto",
 ) -> list[torch.Tensor]:
     """Run the draft for ``ttt_length`` depths; returns the hidden output of each depth.
 
+    ``attention``: ``auto`` (fused flex attention on CUDA, the eager reference elsewhere),
+    ``flex`` or ``eager`` (``pipelines.models.ttt_attention``; both give the same result).
     Positions whose shifted inputs fall outside their document compute garbage that no scored
     position can see (causality and the document mask guarantee it); the step masks drop them.
     """
@@ -109,24 +94,17 @@ def ttt_unroll(
         )
     if doc_ids_BT is None:
         doc_ids_BT = torch.zeros_like(input_ids_BT)
+    ttt = make_ttt_attention(attention, doc_ids_BT, position_ids_BT, window, ttt_length)
     hidden = draft.fuse_aux(aux_BTKH)
-    base_kv = None  # depth-0 keys: causal over the row, within the document
-    diagonal_kv: list = []  # each position's own keys at depths 1..i-1
     hidden_per_step = []
     for depth in range(ttt_length):
         out = draft(
             shift_left(input_ids_BT, 1 + depth),
             hidden,
             position_ids_BT + depth,
-            attention_mask=ttt_attention_mask(doc_ids_BT, position_ids_BT, depth, window),
-            past_key_values=base_kv,
-            use_cache=True,
-            diagonal_kv=diagonal_kv if depth > 0 else None,
+            ttt=ttt,
+            depth=depth,
         )
-        if depth == 0:
-            base_kv = out.past_key_values
-        else:
-            diagonal_kv.append(out.past_key_values)
         hidden = out.hidden_BTD
         hidden_per_step.append(hidden)
     return hidden_per_step
@@ -154,41 +132,45 @@ def ttt_forward(
     input_ids_BT: torch.Tensor,
     position_ids_BT: torch.Tensor,
     loss_mask_BT: torch.Tensor,
-    teacher_probs_BTV: torch.Tensor,
+    teacher: torch.Tensor | TeacherRows,
     teacher_valid_BT: torch.Tensor | None = None,
     doc_ids_BT: torch.Tensor | None = None,
     ttt_length: int = DEFAULT_TTT_LENGTH,
     decay: float = DEFAULT_DECAY,
+    attention: str = "auto",
+    loss_chunk: int | None = None,
 ) -> TTTOutput:
     """The EAGLE-3 TTT loss: ``sum_i decay**i * CE_i`` with CE_i the masked mean cross-entropy
     of the depth-i draft logits against the teacher (see the module docstring for alignment).
 
-    ``teacher_probs_BTV`` is the target's distribution at each position over the draft
-    vocabulary (pipelines.train.teacher); ``doc_ids_BT`` marks packed documents (None: one per
-    row). Logits are computed only at scored positions, so masked tokens cost no lm_head FLOPs.
+    ``teacher`` is the target's distribution over the draft vocabulary at each position: a dense
+    ``[B, T, V_draft]`` tensor or rows produced on demand (``pipelines.train.teacher``);
+    ``doc_ids_BT`` marks packed documents (None: one per row). Logits are computed only at scored
+    positions, in chunks, and never kept (``pipelines.train.loss``).
     """
     if doc_ids_BT is None:
         doc_ids_BT = torch.zeros_like(input_ids_BT)
+    if isinstance(teacher, torch.Tensor):
+        teacher = DenseTeacherRows(teacher)
     hidden_per_step = ttt_unroll(
-        draft, aux_BTKH, input_ids_BT, position_ids_BT, doc_ids_BT, ttt_length
+        draft, aux_BTKH, input_ids_BT, position_ids_BT, doc_ids_BT, ttt_length, attention
     )
     masks = ttt_step_masks(
         loss_mask_BT, doc_remaining_from_ids(doc_ids_BT), teacher_valid_BT, ttt_length
     )
-    T = input_ids_BT.shape[1]
     # The loss is computed in at least float32 whatever the compute dtype (bf16 logits lose CE precision).
     loss_dtype = torch.promote_types(hidden_per_step[0].dtype, torch.float32)
     total = hidden_per_step[0].new_zeros((), dtype=loss_dtype)
     out = TTTOutput(total, [], [], [], [], [], hidden_per_step, masks)
     for depth, (hidden, mask) in enumerate(zip(hidden_per_step, masks, strict=True)):
-        # Position t is scored against the teacher at t + 1 + depth (a view, no copy).
-        usable = T - 1 - depth
-        sel = mask[:, :usable] if usable > 0 else mask[:, :0]
-        logits_NV = draft.compute_logits(hidden[:, : sel.shape[1]][sel]).to(loss_dtype)
-        teacher_NV = teacher_probs_BTV[:, 1 + depth :][sel].to(loss_dtype)
-        ce_sum = -(teacher_NV * F.log_softmax(logits_NV, dim=-1)).sum()
-        count = sel.sum()
-        correct = (logits_NV.argmax(-1) == teacher_NV.argmax(-1)).sum()
+        # Position t is scored against the teacher at t + 1 + depth (same row: the step mask is
+        # False wherever t + 1 + depth would leave the row or the document).
+        rows = mask.flatten().nonzero().squeeze(1)
+        normed = draft.norm(hidden.flatten(0, 1)[rows])
+        ce_sum, correct = linear_soft_cross_entropy(
+            normed, draft.lm_head.weight, teacher, rows + 1 + depth, loss_chunk
+        )
+        count = rows.new_tensor(rows.shape[0])
         step_loss = ce_sum / count.clamp(min=1)
         total = total + decay**depth * step_loss
         out.step_loss_sums.append(ce_sum)
@@ -198,3 +180,7 @@ def ttt_forward(
         out.step_accuracies.append(correct.float() / count.clamp(min=1))
     out.loss = total
     return out
+
+
+# The depth-0 mask of the eager path, under the name earlier code imported.
+ttt_attention_mask = ttt_base_mask

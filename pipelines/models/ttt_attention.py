@@ -1,0 +1,259 @@
+"""Attention for the EAGLE-3/4 training-time test (TTT), without dense masks on the GPU.
+
+At TTT depth i a query at position t sees (docs/draft-model.md):
+
+- the depth-0 keys of positions s <= t of its own document (within the sliding window, if any,
+  measured in RoPE positions: ``position[t] + i - position[s] < W``), and
+- its own keys from depths 1..i (the draft's drafted chain at that position).
+
+Two implementations give the same result:
+
+``EagerTTTAttention`` (CPU, float64 tests, any device): depth 0 through SDPA with a dense
+``[B, T, T]`` bool mask; depths >= 1 score the depth-0 keys as one ``[T, T]`` matrix and the own
+keys as per-position dot products. Simple and exact, but it materialises T x T scores, which at
+T = 8192 cost gigabytes and a third of the step on an H200.
+
+``FlexTTTAttention`` (CUDA): one fused ``flex_attention`` call per depth over the keys of every
+depth laid side by side, ``[k_0 | k_1 | ... | k_{L-1}]`` (each region padded to a multiple of the
+128-token block), with a block-sparse mask built from the packed row's document runs and positions:
+depth-0 blocks below the diagonal are *full* (no mask evaluated) when both blocks lie in one
+document, *partial* where a document boundary, the diagonal or the window cuts through, and absent
+otherwise; each own-key region j <= i contributes only its diagonal blocks. So the work is that of
+one document-causal attention plus a thin diagonal, and nothing T x T is ever stored. The key
+length is the same at every depth (regions past i are absent from the mask), so one compiled
+kernel serves all depths.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+BLOCK = 128  # flex_attention's default block size; rows are padded to a multiple of it
+
+
+def run_ids(doc_ids_BT: torch.Tensor) -> torch.Tensor:
+    """Contiguous runs of equal document ids numbered 0, 1, 2, ... along each row (int32).
+
+    Documents are contiguous runs in packed rows; numbering the runs makes the ids monotone,
+    which lets a block's document range be read off its first and last token."""
+    new_run = torch.ones_like(doc_ids_BT, dtype=torch.int32)
+    new_run[:, 1:] = (doc_ids_BT[:, 1:] != doc_ids_BT[:, :-1]).to(torch.int32)
+    return new_run.cumsum(-1, dtype=torch.int32) - 1
+
+
+def ttt_base_mask(
+    doc_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, depth: int, sliding_window: int | None
+) -> torch.Tensor:
+    """Bool [B, T, T]: which depth-0 keys the depth-``depth`` query at t sees (causal, same
+    document, windowed by RoPE distance)."""
+    T = doc_ids_BT.shape[1]
+    idx = torch.arange(T, device=doc_ids_BT.device)
+    runs = run_ids(doc_ids_BT)
+    base = (idx[None, :, None] >= idx[None, None, :]) & (runs[:, :, None] == runs[:, None, :])
+    if sliding_window is not None:
+        distance = position_ids_BT[:, :, None] + depth - position_ids_BT[:, None, :]
+        base = base & (distance < sliding_window)
+    return base
+
+
+class EagerTTTAttention:
+    """The reference implementation: dense masks and explicit scores (see the module docstring).
+
+    Holds the depth-0 keys and each depth's own keys for one unroll; ``attend`` is called once per
+    depth in order 0, 1, 2, ..."""
+
+    def __init__(
+        self, doc_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, sliding_window: int | None
+    ) -> None:
+        self.doc_ids = doc_ids_BT
+        self.position_ids = position_ids_BT
+        self.window = sliding_window
+        self.base_kv: KVCache | None = None
+        self.diagonal_kv: list[KVCache] = []
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, depth: int) -> torch.Tensor:
+        """q [B, heads, T, D], k/v [B, kv_heads, T, D] (RoPE applied) -> [B, heads, T, D]."""
+        mask = ttt_base_mask(self.doc_ids, self.position_ids, depth, self.window)
+        if depth == 0:
+            self.base_kv = (k, v)
+            groups = q.shape[1] // k.shape[1]
+            return F.scaled_dot_product_attention(
+                q,
+                k.repeat_interleave(groups, dim=1),
+                v.repeat_interleave(groups, dim=1),
+                attn_mask=mask[:, None],
+            )
+        assert self.base_kv is not None, "depth 0 must be attended first"
+        self.diagonal_kv.append((k, v))
+        return self._with_diagonal(q, mask)
+
+    def _with_diagonal(self, q_BNTD: torch.Tensor, base_mask_BTS: torch.Tensor) -> torch.Tensor:
+        """Depth >= 1: one [T, T] score matrix over the depth-0 keys plus, per position, a dot
+        product with each of its own keys (never the T x iT blocks the concatenated cache would
+        need)."""
+        assert self.base_kv is not None
+        k0, v0 = self.base_kv
+        B, N, T, D = q_BNTD.shape
+        num_kv = k0.shape[1]
+        q = q_BNTD.view(B, num_kv, N // num_kv, T, D)  # group query heads per kv head
+        scale = 1.0 / math.sqrt(D)
+        base_scores = torch.einsum("bhgtd,bhsd->bhgts", q, k0) * scale
+        base_scores = base_scores.masked_fill(~base_mask_BTS[:, None, None], float("-inf"))
+        diag_scores = torch.stack(
+            [(q * k_j[:, :, None]).sum(-1) * scale for k_j, _ in self.diagonal_kv], dim=-1
+        )  # [B, kv, G, T, i]
+        scores = torch.cat([base_scores, diag_scores], dim=-1)
+        weights = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
+        weights = weights.to(q.dtype)
+        S = k0.shape[2]
+        out = torch.einsum("bhgts,bhsd->bhgtd", weights[..., :S], v0)
+        for j, (_, v_j) in enumerate(self.diagonal_kv):
+            out = out + weights[..., S + j, None] * v_j[:, :, None]
+        return out.reshape(B, N, T, D)
+
+
+_COMPILED_FLEX: Any = None
+
+
+def _flex_attention(compiled: bool) -> Any:
+    """torch's flex_attention, compiled once per process (eager flex is a slow reference path)."""
+    global _COMPILED_FLEX
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not compiled:
+        return flex_attention
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX
+
+
+class FlexTTTAttention:
+    """Fused block-sparse attention over ``[k_0 | k_1 | ... | k_{L-1}]`` (module docstring).
+
+    Built once per batch: block-level document and position ranges are computed here, each depth's
+    block mask in ``attend`` from them (tensors of [B, T/128, L*T/128] entries, no T x T work).
+    ``compiled=False`` runs flex's eager reference path (CPU tests, forward only)."""
+
+    def __init__(
+        self,
+        doc_ids_BT: torch.Tensor,
+        position_ids_BT: torch.Tensor,
+        sliding_window: int | None,
+        ttt_length: int,
+        compiled: bool = True,
+    ) -> None:
+        B, T = doc_ids_BT.shape
+        self.T = T
+        self.Tp = -(-T // BLOCK) * BLOCK
+        self.num_blocks = self.Tp // BLOCK
+        self.ttt_length = ttt_length
+        self.window = sliding_window
+        self.flex = _flex_attention(compiled)
+        pad = self.Tp - T
+        runs = run_ids(doc_ids_BT)
+        positions = position_ids_BT.to(torch.int32)
+        if pad:  # padding is one more run at the end, attending causally among itself
+            runs = torch.cat([runs, (runs[:, -1:] + 1).expand(B, pad)], dim=1)
+            positions = F.pad(positions, (0, pad), value=0)
+        self.runs, self.positions = runs, positions
+        blocks = (B, self.num_blocks, BLOCK)
+        self.run_first = runs.view(blocks)[:, :, 0]  # runs are monotone: first = min, last = max
+        self.run_last = runs.view(blocks)[:, :, -1]
+        self.pos_min = positions.view(blocks).amin(-1)
+        self.pos_max = positions.view(blocks).amax(-1)
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def _pad(self, x_BNTD: torch.Tensor) -> torch.Tensor:
+        return F.pad(x_BNTD, (0, 0, 0, self.Tp - self.T)) if self.Tp != self.T else x_BNTD
+
+    def block_mask(self, depth: int) -> Any:
+        """The BlockMask of depth ``depth`` over Q = Tp queries and L * Tp keys."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        n, L, Tp, window = self.num_blocks, self.ttt_length, self.Tp, self.window
+        device = self.runs.device
+        qb = torch.arange(n, device=device)
+        below = qb[None, :, None] >= qb[None, None, :]  # [1, q block, kv block]: causal blocks
+        strictly_below = qb[None, :, None] > qb[None, None, :]
+        q_first, q_last = self.run_first[:, :, None], self.run_last[:, :, None]
+        k_first, k_last = self.run_first[:, None, :], self.run_last[:, None, :]
+        # A kv block earlier in the row shares a document with the q block iff its last run
+        # reaches the q block's first run; both blocks lie in one document iff k_first == q_last.
+        nonempty = below & (k_last >= q_first)
+        full = strictly_below & (k_first == q_last)
+        if window is not None:
+            # Bounds valid for any positions: every same-document pair's distance lies in
+            # [q_pos_min - k_pos_max, q_pos_max - k_pos_min] + depth.
+            nonempty &= (self.pos_min[:, :, None] - self.pos_max[:, None, :] + depth) < window
+            full &= (self.pos_max[:, :, None] - self.pos_min[:, None, :] + depth) < window
+        partial = nonempty & ~full
+        B = partial.shape[0]
+        eye = torch.eye(n, dtype=torch.bool, device=device)
+        diagonal = [eye if 1 <= j <= depth else torch.zeros_like(eye) for j in range(1, L)]
+        partial_all = torch.cat([partial, *(d.expand(B, n, n) for d in diagonal)], dim=-1)
+        full_all = torch.cat([full, torch.zeros(B, n, (L - 1) * n, dtype=torch.bool, device=device)], -1)
+
+        def listing(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            count = blocks.sum(-1, dtype=torch.int32)
+            order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+            return count[:, None], order[:, None]
+
+        runs, positions = self.runs, self.positions
+        depth_t = torch.tensor(depth, dtype=torch.int32, device=device)
+
+        def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            region = kv_idx // Tp
+            key = kv_idx - region * Tp
+            base = (region == 0) & (key <= q_idx) & (runs[b, q_idx] == runs[b, key])
+            if window is not None:
+                base = base & (positions[b, q_idx] + depth_t - positions[b, key] < window)
+            own = (region >= 1) & (region <= depth_t) & (key == q_idx)
+            return base | own
+
+        kv_num, kv_idx = listing(partial_all)
+        full_num, full_idx = listing(full_all)
+        return BlockMask.from_kv_blocks(
+            kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
+            seq_lengths=(Tp, L * Tp),
+        )
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, depth: int) -> torch.Tensor:
+        """q [B, heads, T, D], k/v [B, kv_heads, T, D] (RoPE applied) -> [B, heads, T, D]."""
+        if depth != len(self.keys):
+            raise ValueError(f"depth {depth} attended out of order (expected {len(self.keys)})")
+        self.keys.append(self._pad(k))
+        self.values.append(self._pad(v))
+        absent = [torch.zeros_like(self.keys[0])] * (self.ttt_length - 1 - depth)
+        keys = torch.cat([*self.keys, *absent], dim=2)
+        values = torch.cat([*self.values, *absent], dim=2)
+        out = self.flex(
+            self._pad(q), keys, values, block_mask=self.block_mask(depth),
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        return out[:, :, : self.T]
+
+
+def make_ttt_attention(
+    backend: str,
+    doc_ids_BT: torch.Tensor,
+    position_ids_BT: torch.Tensor,
+    sliding_window: int | None,
+    ttt_length: int,
+) -> EagerTTTAttention | FlexTTTAttention:
+    """``backend``: ``auto`` (flex on CUDA for bf16/fp16/fp32, eager elsewhere), ``flex`` or
+    ``eager``. Flex needs CUDA to train: its CPU path has no backward."""
+    if backend == "auto":
+        backend = "flex" if doc_ids_BT.is_cuda else "eager"
+    if backend == "flex":
+        return FlexTTTAttention(
+            doc_ids_BT, position_ids_BT, sliding_window, ttt_length, compiled=doc_ids_BT.is_cuda
+        )
+    if backend == "eager":
+        return EagerTTTAttention(doc_ids_BT, position_ids_BT, sliding_window)
+    raise ValueError(f"unknown TTT attention backend {backend!r} (auto, flex, eager)")

@@ -1,0 +1,83 @@
+"""The chunked linear soft cross-entropy equals the plain formula, values and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipelines.train.loss import linear_soft_cross_entropy
+from pipelines.train.teacher import (
+    DenseTeacherRows,
+    FinalHiddenTeacherRows,
+    TeacherHead,
+    teacher_from_final_hidden,
+    teacher_rows,
+)
+from pipelines.train.vocab import calibrate_vocab
+
+
+def plain(x, w, probs_NV):
+    logp = torch.log_softmax(x @ w.T, dim=-1)
+    return -(probs_NV * logp).sum(), (logp.argmax(-1) == probs_NV.argmax(-1)).sum()
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, None])
+def test_values_and_gradients_equal_the_plain_formula(chunk):
+    gen = torch.Generator().manual_seed(0)
+    N, H, V = 50, 12, 33
+    x = torch.randn(N, H, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(V, H, generator=gen, dtype=torch.float64, requires_grad=True)
+    probs = torch.softmax(2 * torch.randn(N + 5, V, generator=gen, dtype=torch.float64), -1)
+    probs[3] = 0.0  # a row the teacher leaves out contributes nothing
+    rows = torch.randperm(N + 5, generator=gen)[:N]
+    ce, correct = linear_soft_cross_entropy(x, w, DenseTeacherRows(probs[None]), rows, chunk)
+    want_ce, want_correct = plain(x, w, probs[rows])
+    torch.testing.assert_close(ce, want_ce, rtol=1e-12, atol=1e-12)
+    assert int(correct) == int(want_correct)
+    (3.0 * ce).backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    (3.0 * want_ce).backward()
+    torch.testing.assert_close(gx, x.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(gw, w.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_no_scored_positions_gives_zero_loss_and_gradients():
+    x = torch.randn(0, 4, requires_grad=True)
+    w = torch.randn(6, 4, requires_grad=True)
+    ce, correct = linear_soft_cross_entropy(x, w, DenseTeacherRows(torch.ones(1, 2, 6) / 6), torch.zeros(0, dtype=torch.long))
+    ce.backward()
+    assert float(ce) == 0.0 and int(correct) == 0
+    assert torch.count_nonzero(w.grad) == 0
+
+
+def test_bf16_autocast_stays_close_to_float32():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 16, generator=gen, requires_grad=True)
+    w = torch.randn(50, 16, generator=gen, requires_grad=True)
+    probs = torch.softmax(torch.randn(1, 40, 50, generator=gen), -1)
+    rows = torch.arange(40)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ce, _ = linear_soft_cross_entropy(x, w, DenseTeacherRows(probs), rows, 16)
+    assert ce.dtype == torch.float32
+    want, _ = plain(x.double(), w.double(), probs[0].double())
+    assert abs(float(ce) - float(want)) / float(want) < 2e-2
+
+
+def test_final_hidden_teacher_rows_equal_the_dense_teacher():
+    gen = torch.Generator().manual_seed(2)
+    V, H, B, T = 40, 8, 2, 9
+    lm_head = torch.randn(V, H, generator=gen)
+    hidden = torch.randn(B, T, H, generator=gen)
+    counts = torch.randint(0, 50, (V,), generator=gen)
+    vocab = calibrate_vocab(counts, 24)
+    dense = teacher_from_final_hidden(hidden, lm_head, vocab.d2t, vocab.t2d, vocab_chunk=7)
+    head = TeacherHead(lm_head, vocab.d2t, vocab.t2d)
+    rows, valid = teacher_rows("final_hidden", {"final_hidden_state": hidden}, d2t=vocab.d2t, t2d=vocab.t2d, head=head)
+    assert isinstance(rows, FinalHiddenTeacherRows)
+    assert torch.equal(valid, dense.valid_BT)
+    assert 0 < int(valid.sum()) < B * T, "the case must have valid and invalid positions"
+    index = torch.tensor([0, 5, 17, 3])
+    torch.testing.assert_close(rows.probs(index, torch.float32), dense.probs_BTV.reshape(B * T, -1)[index])
+    # Small chunks give the same validity.
+    assert torch.equal(head.valid(hidden.reshape(B * T, H), chunk_elements=13), valid.reshape(-1))
