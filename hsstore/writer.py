@@ -123,6 +123,7 @@ class ShardWriter:
         self.num_samples = 0
         self.num_tokens = 0
         self._finished = False
+        self._append_pool: ThreadPoolExecutor | None = None  # add_encoded_samples' per-array threads
 
     def add_sample(
         self,
@@ -134,17 +135,8 @@ class ShardWriter:
         features: dict[str, Any],
     ) -> None:
         """Append one sample. ``features`` maps every feature name to an array ``[T, *shape]``."""
-        if self._finished:
-            raise StoreWriteError(f"shard {self.shard_id}: add_sample after finish()")
-        ids = _to_numpy_1d(input_ids, np.int32, f"sample {sample_id}: input_ids")
-        mask = _to_numpy_1d(loss_mask, np.uint8, f"sample {sample_id}: loss_mask")
+        ids, mask = self._check_sample(sample_id, input_ids, loss_mask)
         num_tokens = len(ids)
-        if len(mask) != num_tokens:
-            raise StoreWriteError(
-                f"sample {sample_id}: loss_mask has {len(mask)} tokens, input_ids {num_tokens}"
-            )
-        if sample_id in self._sample_ids:
-            raise StoreWriteError(f"shard {self.shard_id}: duplicate sample_id {sample_id!r}")
         missing = set(self.features) - set(features)
         extra = set(features) - set(self.features)
         if missing or extra:
@@ -160,12 +152,78 @@ class ShardWriter:
                     f"sample {sample_id}: feature {name!r} has {values.shape[0]} tokens, input_ids {num_tokens}"
                 )
             encoded.update(codecs.encode(spec, values))
+        self._append_arrays(encoded, parallel=False)
+        self._add_row(sample_id, source_id, ids, mask)
+
+    def add_encoded_samples(
+        self, rows: Sequence[tuple[str, str, Any, Any]], arrays: dict[str, np.ndarray]
+    ) -> None:
+        """Append samples whose features are already encoded, e.g. on a GPU by
+        :func:`hsstore.codecs.encode_torch` and copied to the host (the extraction worker's path:
+        the host does no codec work).
+
+        ``rows``: ``(sample_id, source_id, input_ids, loss_mask)`` per sample, in the order their
+        tokens are packed; ``arrays``: every stored array (``FeatureSpec.stored_arrays``, fp8 scales
+        included) as ``[sum of the samples' tokens, ...]``, bits in the stored dtype. The arrays are
+        checked (names, dtypes, shapes, fp8 scales finite) before anything is appended, and each is
+        appended from its own thread (the copies into the chunk buffers release the GIL).
+        """
+        if self._finished:
+            raise StoreWriteError(f"shard {self.shard_id}: add_encoded_samples after finish()")
+        checked = [self._check_sample(sample_id, ids, mask) for sample_id, _, ids, mask in rows]
+        num_tokens = sum(len(ids) for ids, _ in checked)
+        if set(arrays) != set(self._streams):
+            raise StoreWriteError(
+                f"shard {self.shard_id}: encoded arrays must be exactly {sorted(self._streams)}, "
+                f"got {sorted(arrays)}"
+            )
+        for name, stream in self._streams.items():
+            array = arrays[name]
+            if array.shape != (num_tokens, *stream.tail) or array.dtype != stream.dtype:
+                raise StoreWriteError(
+                    f"shard {self.shard_id}: encoded array {name!r} is {array.dtype} "
+                    f"{tuple(array.shape)}; expected {stream.dtype} {(num_tokens, *stream.tail)} "
+                    f"for {len(rows)} samples"
+                )
+        for spec in self.features.values():
+            codecs.check_encoded(spec, arrays)
+        self._append_arrays(arrays, parallel=True)
+        for (sample_id, source_id, _, _), (ids, mask) in zip(rows, checked, strict=True):
+            self._add_row(sample_id, source_id, ids, mask)
+
+    def _check_sample(self, sample_id: str, input_ids: Any, loss_mask: Any) -> tuple[np.ndarray, np.ndarray]:
+        if self._finished:
+            raise StoreWriteError(f"shard {self.shard_id}: add_sample after finish()")
+        ids = _to_numpy_1d(input_ids, np.int32, f"sample {sample_id}: input_ids")
+        mask = _to_numpy_1d(loss_mask, np.uint8, f"sample {sample_id}: loss_mask")
+        if len(mask) != len(ids):
+            raise StoreWriteError(
+                f"sample {sample_id}: loss_mask has {len(mask)} tokens, input_ids {len(ids)}"
+            )
+        if sample_id in self._sample_ids:
+            raise StoreWriteError(f"shard {self.shard_id}: duplicate sample_id {sample_id!r}")
+        return ids, mask
+
+    def _append_arrays(self, encoded: dict[str, np.ndarray], *, parallel: bool) -> None:
         try:
-            for array_name, rows in encoded.items():
-                self._streams[array_name].append(rows)
+            if parallel and len(encoded) > 1:
+                if self._append_pool is None:
+                    self._append_pool = ThreadPoolExecutor(len(self._streams), thread_name_prefix="hsstore-append")
+                futures = [
+                    self._append_pool.submit(self._streams[name].append, rows)
+                    for name, rows in encoded.items()
+                ]
+                for future in futures:
+                    future.result()
+            else:
+                for array_name, rows in encoded.items():
+                    self._streams[array_name].append(rows)
         except OSError as err:
             self.abort()  # a half-flushed buffer cannot be resumed; free the space it took
             raise self._write_error(err) from err
+
+    def _add_row(self, sample_id: str, source_id: str, ids: np.ndarray, mask: np.ndarray) -> None:
+        num_tokens = len(ids)
         row = self._rows
         row["sample_id"].append(sample_id)
         row["source_id"].append(source_id)
@@ -184,6 +242,7 @@ class ShardWriter:
         if self._finished:
             raise StoreWriteError(f"shard {self.shard_id}: finish() called twice")
         self._finished = True
+        self._shutdown_append_pool()
         try:
             for array_name, stream in self._streams.items():
                 layout, written = stream.close()
@@ -200,6 +259,11 @@ class ShardWriter:
             self.abort()
             raise
 
+    def _shutdown_append_pool(self) -> None:
+        if self._append_pool is not None:
+            self._append_pool.shutdown(wait=True)
+            self._append_pool = None
+
     def _write_error(self, err: OSError) -> StoreWriteError:
         if isinstance(err, StoreWriteError):
             return err
@@ -213,6 +277,7 @@ class ShardWriter:
     def abort(self) -> None:
         """Remove this attempt's files (best effort; leftovers are garbage the manifest never names)."""
         self._finished = True
+        self._shutdown_append_pool()
         for stream in self._streams.values():
             with contextlib.suppress(Exception):
                 stream.abort()

@@ -1,32 +1,47 @@
 """Overlap writing with compute: batches' features go to the shard on a background thread.
 
-The GPU must not wait for the disk. After each forward, :meth:`ShardSink.submit` queues an
-asynchronous device-to-host copy of the packed features into pinned memory on a side CUDA stream
-(the main stream goes straight on to the next batch) and hands the batch to a writer thread, which
-waits for that copy only, encodes per sample and appends to the unit's :class:`hsstore.ShardWriter`.
-The queue is bounded, so a slow store applies back-pressure instead of filling host memory.
+The GPU must not wait for the host, nor the host do work the GPU does better. After each forward,
+:meth:`ShardSink.submit` encodes the packed features *on the device* (``hsstore.codecs.
+encode_torch``: bf16 bits, or fp8 bits and power-of-two scales, the same bits the CPU encoder gives)
+and queues an asynchronous device-to-host copy of the encoded arrays on a side CUDA stream (the main
+stream goes straight on to the next forward). The copies land in a :class:`HostBufferPool`: pinned
+buffers allocated once per worker, as many as the queue can hold, so no batch allocates or pins
+memory. A writer thread waits for a batch's copy, hands the encoded arrays to
+:meth:`hsstore.ShardWriter.add_encoded_samples` (which appends each array from its own thread) and
+gives the buffers back. The queue is bounded, so a slow store applies back-pressure instead of
+filling host memory.
 
-On the CPU the features are already host tensors; the thread still overlaps encoding and Zarr
-writes with the next forward.
+On the CPU the features are already host tensors: the writer thread encodes them (the same
+function), overlapping encoding and writes with the next forward.
 
-The ShardWriter is only ever touched by the writer thread (it is not thread-safe).
+``write_seconds`` is the writer thread's busy time: encoding (CPU), checks and appends, not the
+time it waits for a copy (on a GPU that is waiting for the forward itself). The ShardWriter is only
+ever touched by the writer thread (it is not thread-safe).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from hsstore import ShardRecord, ShardWriter
+from hsstore import FeatureSpec, ShardRecord, ShardWriter
+from hsstore.codecs import encode_torch
 from hsstore.errors import StoreWriteError
 
+logger = logging.getLogger(__name__)
+
 _STOP = object()
+# Stored dtypes as torch holds them (bf16 bits travel as int16: torch has no uint16 arithmetic).
+_TORCH_DTYPE = {"uint16": torch.int16, "uint8": torch.uint8, "float32": torch.float32, "int32": torch.int32}
 
 
 @dataclass(frozen=True)
@@ -39,45 +54,119 @@ class SampleRow:
     loss_mask: Any  # np.uint8 [T]
 
 
+class HostBufferPool:
+    """Host buffers that batches' encoded features are copied into, allocated once per worker.
+
+    ``num_buffers`` sets of one buffer per stored array, each of ``max_tokens`` tokens (a batch holds
+    at most ``token_budget`` real tokens), pinned on CUDA so that copies are asynchronous DMA.
+    Allocated on first use; :meth:`acquire` blocks while every set is in use (back-pressure). A
+    batch larger than ``max_tokens`` (a single sample over the budget, which the recipe forbids)
+    gets a one-off buffer rather than an error.
+    """
+
+    def __init__(self, features: Sequence[FeatureSpec], max_tokens: int, num_buffers: int, *, pin: bool):
+        self.arrays = [
+            (name, tuple(tail), _TORCH_DTYPE[dtype]) for spec in features for name, tail, dtype in spec.stored_arrays()
+        ]
+        self.max_tokens = max_tokens
+        self.num_buffers = num_buffers
+        self.pin = pin
+        self._free: queue.Queue[dict[str, torch.Tensor]] = queue.Queue()
+        self._allocated = 0
+        self._lock = threading.Lock()
+
+    @property
+    def bytes_per_set(self) -> int:
+        return sum(
+            self.max_tokens * int(np.prod(tail, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+            for _, tail, dtype in self.arrays
+        )
+
+    def _allocate(self, num_tokens: int) -> dict[str, torch.Tensor]:
+        return {
+            name: torch.empty((num_tokens, *tail), dtype=dtype, pin_memory=self.pin)
+            for name, tail, dtype in self.arrays
+        }
+
+    def acquire(self, num_tokens: int, alive: Any = None) -> dict[str, torch.Tensor]:
+        """A set of buffers of at least ``num_tokens`` tokens. ``alive()`` is called while waiting
+        (it raises to stop waiting, e.g. when the writer thread failed)."""
+        if num_tokens > self.max_tokens:
+            if self.max_tokens:
+                logger.warning("a batch of %d tokens is over the pool's %d: a one-off buffer", num_tokens, self.max_tokens)
+            return self._allocate(num_tokens)
+        with self._lock:
+            if self._free.empty() and self._allocated < self.num_buffers:
+                self._allocated += 1
+                return self._allocate(self.max_tokens)
+        while True:
+            try:
+                return self._free.get(timeout=0.5)
+            except queue.Empty:
+                if alive is not None:
+                    alive()
+
+    def release(self, buffers: dict[str, torch.Tensor]) -> None:
+        first = next(iter(buffers.values()), None)
+        if first is not None and self.max_tokens and first.shape[0] == self.max_tokens:  # one-offs are dropped
+            self._free.put(buffers)
+
+
 class ShardSink:
     """Feeds one ShardWriter from a writer thread; ``finish()`` returns the shard's record."""
 
-    def __init__(self, writer: ShardWriter, device: torch.device, *, max_pending_batches: int = 3):
+    def __init__(
+        self,
+        writer: ShardWriter,
+        device: torch.device,
+        *,
+        pool: HostBufferPool | None = None,
+        max_pending_batches: int = 3,
+    ):
         self.writer = writer
         self.device = device
+        self.features = list(writer.features.values())
         self._cuda = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device=device) if self._cuda else None
+        if self._cuda and pool is None:
+            pool = HostBufferPool(self.features, 0, 0, pin=True)  # no pool: a buffer per batch
+        self.pool = pool
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_pending_batches)
         self._error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._run, name=f"shard-sink-{writer.shard_id}", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name=f"shard-sink-{writer.shard_id}", daemon=True)
         self._thread.start()
-        self.write_seconds = 0.0
+        self.write_seconds = 0.0  # busy: encoding (CPU), checks, appends
+        self.wait_seconds = 0.0  # waiting for a batch's device-to-host copy
 
     def submit(self, rows: Sequence[SampleRow], features: dict[str, torch.Tensor]) -> None:
         """Queue one batch: ``rows`` in packed order, ``features[name]`` ``[sum(T_i), ...]``."""
         self._raise_if_failed()
-        if self._cuda:
-            assert self._copy_stream is not None
+        num_tokens = sum(len(row.input_ids) for row in rows)
+        if not self._cuda:
+            self._put((list(rows), num_tokens, {n: t.detach() for n, t in features.items()}, None, None))
+            return
+        assert self._copy_stream is not None and self.pool is not None
+        # Encoded on the compute stream, right after the forward: a few elementwise kernels.
+        encoded: dict[str, torch.Tensor] = {}
+        for spec in self.features:
+            encoded.update(encode_torch(spec, features[spec.name]))
+        buffers = self.pool.acquire(num_tokens, self._raise_if_failed)
+        try:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
-            host: dict[str, torch.Tensor] = {}
             with torch.cuda.stream(self._copy_stream):
                 self._copy_stream.wait_event(ready)
-                for name, tensor in features.items():
-                    buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-                    buffer.copy_(tensor, non_blocking=True)
-                    # The caching allocator must not hand this memory to the next forward
-                    # before the copy stream has read it.
-                    tensor.record_stream(self._copy_stream)
-                    host[name] = buffer
-                done: torch.cuda.Event | None = torch.cuda.Event()
+                for name, bits in encoded.items():
+                    buffers[name][:num_tokens].copy_(bits, non_blocking=True)
+                    # The caching allocator must not hand this memory to the next forward before
+                    # the copy stream has read it.
+                    bits.record_stream(self._copy_stream)
+                done = torch.cuda.Event()
                 done.record(self._copy_stream)
-        else:
-            host = {name: tensor.detach() for name, tensor in features.items()}
-            done = None
-        self._put((list(rows), host, done))
+            self._put((list(rows), num_tokens, None, buffers, done))
+        except BaseException:
+            self.pool.release(buffers)
+            raise
 
     def _put(self, item: Any) -> None:
         # A bounded put that notices a dead writer thread instead of blocking forever.
@@ -89,46 +178,57 @@ class ShardSink:
                 self._raise_if_failed()
 
     def _run(self) -> None:
-        import time
-
         while True:
             item = self._queue.get()
             if item is _STOP:
                 return
-            if self._error is not None:
-                continue  # drain: the main thread will see the error
-            rows, host, done = item
+            rows, num_tokens, host_features, buffers, done = item
             try:
-                start = time.perf_counter()
-                if done is not None:
-                    done.synchronize()
-                offset = 0
-                for row in rows:
-                    count = len(row.input_ids)
-                    self.writer.add_sample(
-                        sample_id=row.sample_id,
-                        source_id=row.source_id,
-                        input_ids=row.input_ids,
-                        loss_mask=row.loss_mask,
-                        features={
-                            name: values[offset : offset + count] for name, values in host.items()
-                        },
-                    )
-                    offset += count
-                if any(values.shape[0] != offset for values in host.values()):
-                    raise StoreWriteError(
-                        f"shard {self.writer.shard_id}: features hold "
-                        f"{[v.shape[0] for v in host.values()]} tokens, rows {offset}"
-                    )
-                self.write_seconds += time.perf_counter() - start
+                if self._error is None:  # else drain: the main thread will see the error
+                    self._write(rows, num_tokens, host_features, buffers, done)
             except BaseException as err:  # noqa: BLE001 - re-raised in the main thread
                 self._error = err
+            finally:
+                if buffers is not None and self.pool is not None:
+                    if done is not None:
+                        done.synchronize()  # the copy must be over before the buffers are reused
+                    self.pool.release(buffers)
+
+    def _write(
+        self,
+        rows: list[SampleRow],
+        num_tokens: int,
+        host_features: dict[str, torch.Tensor] | None,
+        buffers: dict[str, torch.Tensor] | None,
+        done: torch.cuda.Event | None,
+    ) -> None:
+        if done is not None:
+            start = time.perf_counter()
+            done.synchronize()
+            self.wait_seconds += time.perf_counter() - start
+        start = time.perf_counter()
+        if host_features is not None:
+            encoded = {}
+            for spec in self.features:
+                values = host_features[spec.name]
+                if values.shape[0] != num_tokens:
+                    raise StoreWriteError(
+                        f"shard {self.writer.shard_id}: feature {spec.name!r} holds {values.shape[0]} "
+                        f"tokens, rows {num_tokens}"
+                    )
+                encoded.update(encode_torch(spec, values))
+            arrays = {name: _as_numpy(bits) for name, bits in encoded.items()}
+        else:
+            assert buffers is not None
+            arrays = {name: _as_numpy(buffer[:num_tokens]) for name, buffer in buffers.items()}
+        self.writer.add_encoded_samples(
+            [(r.sample_id, r.source_id, r.input_ids, r.loss_mask) for r in rows], arrays
+        )
+        self.write_seconds += time.perf_counter() - start
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise StoreWriteError(
-                f"shard {self.writer.shard_id}: writing failed: {self._error}"
-            ) from self._error
+            raise StoreWriteError(f"shard {self.writer.shard_id}: writing failed: {self._error}") from self._error
 
     def finish(self) -> ShardRecord:
         """Wait for every queued batch, then finish the shard (files in place, not yet committed)."""
@@ -145,3 +245,9 @@ class ShardSink:
                 self._queue.put(_STOP, timeout=5)
             self._thread.join(timeout=30)
         self.writer.abort()
+
+
+def _as_numpy(bits: torch.Tensor) -> np.ndarray:
+    """A host tensor of stored bits as the numpy array the store writes (bf16 bits as uint16)."""
+    array = bits.numpy()
+    return array.view(np.uint16) if bits.dtype == torch.int16 else array

@@ -33,7 +33,7 @@ from pipelines.extract.batching import Batch, collate, plan_batches, round_up
 from pipelines.extract.capture import HiddenStateCapture, resolve_pass_attention_mask
 from pipelines.extract.errors import ExtractionError
 from pipelines.extract.records import Rejection, RejectReason
-from pipelines.extract.sink import SampleRow, ShardSink
+from pipelines.extract.sink import HostBufferPool, SampleRow, ShardSink
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,9 @@ def unit_shard_id(unit_index: int) -> str:
     """The shard a unit writes: deterministic, so retries and reruns recognise it."""
     return f"u{unit_index:06d}"
 
+
+# Batches queued between the forwards and a shard's writer thread (bounds pinned host memory).
+MAX_PENDING_BATCHES = 3
 
 # Characters of an exception's text kept in a rejection message.
 _ERROR_CHARS = 300
@@ -92,8 +95,9 @@ class UnitResult:
     num_batches: int
     seconds: float  # the whole unit, shard finished
     compute_seconds: float  # holding the model (forwards; the GPU work may still be queued)
-    write_seconds: float  # the writer thread's busy time
+    write_seconds: float  # the writer thread's busy time (encode on CPU, checks, appends)
     rejected: tuple[RejectedSample, ...] = ()
+    copy_wait_seconds: float = 0.0  # the writer thread waiting for device-to-host copies
 
 
 @dataclass(frozen=True)
@@ -172,6 +176,14 @@ class ExtractionWorker:
             )
         )
         self._compute_lock = threading.Lock()
+        # Pinned host buffers for the device-to-host copies, shared by the units in flight: as
+        # many as the sink's queue holds plus the one being written and the one being copied.
+        self.host_buffers = HostBufferPool(
+            spec.features,
+            spec.token_budget,
+            MAX_PENDING_BATCHES + 2,
+            pin=self.device.type == "cuda",
+        )
         self.capture = HiddenStateCapture(
             self.model,
             spec.aux_layer_ids,
@@ -226,7 +238,9 @@ class ExtractionWorker:
                 list(self.spec.features),
                 storage_options=self.spec.storage_options,
             )
-            sink = ShardSink(writer, self.device)
+            sink = ShardSink(
+                writer, self.device, pool=self.host_buffers, max_pending_batches=MAX_PENDING_BATCHES
+            )
             try:
                 for batch in batches:
                     failed = False
@@ -283,6 +297,7 @@ class ExtractionWorker:
             seconds=time.perf_counter() - start,
             compute_seconds=compute_seconds,
             write_seconds=sink.write_seconds,
+            copy_wait_seconds=sink.wait_seconds,
             rejected=tuple(_rejected_sample(unit, i, error) for i, error in sorted(failures)),
         )
 

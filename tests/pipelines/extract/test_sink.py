@@ -1,0 +1,118 @@
+"""The worker's write path: host buffers allocated once and reused; features encoded where they are
+(on the GPU before the copy, with a GPU) and written as what the CPU encoder gives."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import hsstore
+from hsstore import FeatureSpec, Lineage, ShardWriter, codecs, commit_shards
+from pipelines.extract.sink import HostBufferPool, SampleRow, ShardSink
+
+FEATURES = [
+    FeatureSpec(name="aux_hidden_states", shape=(3, 64), codec="fp8_e4m3"),
+    FeatureSpec(name="final_hidden_state", shape=(64,), codec="bf16"),
+]
+
+
+def test_pool_reuses_its_buffers_and_blocks_when_all_are_out() -> None:
+    pool = HostBufferPool(FEATURES, max_tokens=128, num_buffers=2, pin=False)
+    assert sorted(n for n, _, _ in pool.arrays) == ["aux_hidden_states", "aux_hidden_states.scale", "final_hidden_state"]
+    assert pool.bytes_per_set == 128 * (3 * 64 + 3 * 4 + 64 * 2)
+    first, second = pool.acquire(100), pool.acquire(128)
+    assert first["aux_hidden_states"].shape == (128, 3, 64) and first["final_hidden_state"].dtype == torch.int16
+    got: list[dict[str, torch.Tensor]] = []
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire(10)))
+    waiter.start()
+    time.sleep(0.7)
+    assert not got  # both sets are out: the third acquire waits (back-pressure)
+    pool.release(first)
+    waiter.join(timeout=5)
+    assert got and got[0]["aux_hidden_states"].data_ptr() == first["aux_hidden_states"].data_ptr()
+    oversize = pool.acquire(1000)  # over max_tokens: a one-off, not kept
+    assert oversize["final_hidden_state"].shape[0] == 1000
+    pool.release(oversize)
+    pool.release(second)
+    assert pool.acquire(1)["final_hidden_state"].data_ptr() == second["final_hidden_state"].data_ptr()
+
+
+def test_acquire_stops_waiting_when_told() -> None:
+    pool = HostBufferPool(FEATURES, max_tokens=8, num_buffers=1, pin=False)
+    pool.acquire(8)
+
+    def writer_failed() -> None:
+        raise RuntimeError("writer thread died")
+
+    with pytest.raises(RuntimeError, match="writer thread died"):
+        pool.acquire(8, writer_failed)
+
+
+def write_through_sink(store: Path, device: torch.device, batches: list[tuple[list[SampleRow], dict[str, torch.Tensor]]]) -> None:
+    pool = HostBufferPool(FEATURES, 64, 3, pin=device.type == "cuda")
+    sink = ShardSink(ShardWriter(store, "u000000", FEATURES), device, pool=pool, max_pending_batches=1)
+    for rows, features in batches:
+        sink.submit(rows, {name: values.to(device) for name, values in features.items()})
+    record = sink.finish()
+    assert sink.write_seconds > 0
+    commit_shards(str(store), [record], features=FEATURES, lineage=Lineage())
+
+
+def make_batches(seed: int) -> list[tuple[list[SampleRow], dict[str, torch.Tensor]]]:
+    generator = torch.Generator().manual_seed(seed)
+    batches, count = [], 0
+    for lengths in ([20, 12], [30], [7, 9, 11], [40]):
+        rows = []
+        for n in lengths:
+            rows.append(SampleRow(f"s{count}", f"r{count}", np.arange(n, dtype=np.int32), np.ones(n, np.uint8)))
+            count += 1
+        total = sum(lengths)
+        features = {
+            "aux_hidden_states": (torch.randn(total, 3, 64, generator=generator) * 30).to(torch.bfloat16),
+            "final_hidden_state": torch.randn(total, 64, generator=generator).to(torch.bfloat16),
+        }
+        batches.append((rows, features))
+    return batches
+
+
+def stored_bits(store: Path) -> dict[str, np.ndarray]:
+    opened = hsstore.open_store(str(store))
+    out: dict[str, list[np.ndarray]] = {}
+    for index in range(opened.num_samples):
+        sample = opened.read_sample(index)
+        for name in ("aux_hidden_states", "final_hidden_state"):
+            out.setdefault(name, []).append(sample[name].view(torch.int16).numpy())
+    return {name: np.concatenate(parts) for name, parts in out.items()}
+
+
+def expected_bits(batches: list[tuple[list[SampleRow], dict[str, torch.Tensor]]]) -> dict[str, np.ndarray]:
+    """Every batch encoded on the CPU and decoded, in order: what a reader of the store must see."""
+    out: dict[str, list[np.ndarray]] = {}
+    for _, features in batches:
+        for spec in FEATURES:
+            raw = codecs.encode(spec, features[spec.name])
+            out.setdefault(spec.name, []).append(codecs.decode_torch(spec, raw).view(torch.int16).numpy())
+    return {name: np.concatenate(parts) for name, parts in out.items()}
+
+
+def test_cpu_sink_writes_what_the_cpu_encoder_gives(tmp_path: Path) -> None:
+    batches = make_batches(0)
+    write_through_sink(tmp_path / "store", torch.device("cpu"), batches)
+    got, want = stored_bits(tmp_path / "store"), expected_bits(batches)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
+
+
+@pytest.mark.gpu
+def test_gpu_sink_encodes_on_the_device_and_stores_the_cpu_encoders_bits(tmp_path: Path) -> None:
+    """More batches than buffers (3 sets, 4 batches, one pending): the pool is reused under load."""
+    batches = make_batches(1)
+    write_through_sink(tmp_path / "store", torch.device("cuda"), batches)
+    got, want = stored_bits(tmp_path / "store"), expected_bits(batches)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
