@@ -187,7 +187,12 @@ class HiddenStateCapture:
             final_BTD = self._captured["final"]
 
             def valid(hidden_BTD: torch.Tensor) -> torch.Tensor:
-                return hidden_BTD.reshape(-1, hidden_BTD.shape[-1]).index_select(0, valid_index_N)
+                flat = hidden_BTD.reshape(-1, hidden_BTD.shape[-1])
+                # A target split over GPUs (placement.py): gather where the index (and the final
+                # norm) is. Selecting first would move fewer bytes but needs the index everywhere.
+                if flat.device != valid_index_N.device:
+                    flat = flat.to(valid_index_N.device, non_blocking=True)
+                return flat.index_select(0, valid_index_N)
 
             features: dict[str, torch.Tensor] = {}
             if self.aux_layer_ids:
@@ -210,7 +215,7 @@ class HiddenStateCapture:
         assert self.parts.lm_head is not None and self.topk_k is not None
         values, ids = [], []
         for chunk_CH in final_NH.split(self.topk_chunk_tokens):
-            logits_CV = self.parts.lm_head(chunk_CH).float()
+            logits_CV = self.parts.lm_head(chunk_CH).float().to(chunk_CH.device)
             if self.softcap:
                 logits_CV = torch.tanh(logits_CV / self.softcap) * self.softcap
             top = logits_CV.topk(self.topk_k, dim=-1)

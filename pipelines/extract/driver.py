@@ -129,7 +129,12 @@ def run_extraction(
     units = [
         # The worker names a record it rejects by its origin (file:line).
         dataclasses.replace(u, origins=tuple(origins.origin_of[r.sample_id] for r in u.rows))
-        for u in plan_units(plan.samples, recipe.units.max_tokens, recipe.units.max_samples)
+        for u in plan_units(
+            plan.samples,
+            recipe.units.max_tokens,
+            recipe.units.max_samples,
+            recipe.units.sort_window_tokens,
+        )
     ]
     done = committed_shard_ids(location)
     todo = [u for u in units if u.shard_id not in done]
@@ -219,6 +224,7 @@ def _run_units(
         from pipelines.extract.executors import LocalExecutor
 
         executor = LocalExecutor(spec)
+    summary.num_workers = len(getattr(executor, "actors", ())) or 1
     total_tokens = sum(u.num_tokens for u in todo)
     bar = tqdm(
         total=total_tokens,
@@ -249,6 +255,8 @@ def _run_units(
         summary.num_samples_written += result.num_samples
         summary.num_tokens_written += result.num_tokens
         summary.num_padded_tokens += result.num_padded_tokens
+        summary.writer_busy_seconds += result.write_seconds
+        summary.copy_wait_seconds += result.copy_wait_seconds
         already_shown = min(shown_uncommitted, result.num_tokens)
         shown_uncommitted -= already_shown
         bar.update(result.num_tokens - already_shown)

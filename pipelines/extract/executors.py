@@ -111,6 +111,13 @@ class RayExecutor:
         num_workers = settings.num_workers
         if num_workers is None:
             num_workers = max(1, int(cluster_gpus // num_gpus)) if num_gpus else 1
+        if num_gpus > 1:
+            if num_gpus != int(num_gpus):
+                raise ExtractionError(
+                    f"ray.num_gpus_per_worker={num_gpus}: more than one GPU per actor must be a "
+                    "whole number (the target is split over them)"
+                )
+            spec = _replace(spec, num_gpus=int(num_gpus))
         if num_gpus == 0 and spec.device == "auto":
             # An actor given no GPU must not grab one the scheduler gave to another actor.
             spec = _replace(spec, device="cpu")

@@ -12,7 +12,7 @@ import hashlib
 import itertools
 import json
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,21 +130,70 @@ def read_samples(recipe: ExtractRecipe, tokenizer: SampleTokenizer) -> SamplePla
     return plan_samples(records, tokenizer, recipe.limit)
 
 
-def plan_units(samples: list[TokenizedSample], max_tokens: int, max_samples: int) -> list[WorkUnit]:
-    """Cut the samples, in order, into units of at most ``max_tokens`` / ``max_samples``."""
+def plan_units(
+    samples: list[TokenizedSample],
+    max_tokens: int,
+    max_samples: int,
+    sort_window_tokens: int | None = None,
+    first_index: int = 0,
+) -> list[WorkUnit]:
+    """Cut the samples into units of at most ``max_tokens`` / ``max_samples``.
+
+    With ``sort_window_tokens``, consecutive samples are taken in windows of about that many tokens
+    and each window is sorted by length (longest first, ties in input order) before it is cut: a
+    unit then holds samples of similar lengths, and so do its batches, whose padding is what the
+    longest row costs the others. Windows keep memory bounded and the plan deterministic (a rerun
+    cuts the same units). Without it, units follow the input order.
+    """
+    units: list[WorkUnit] = []
+    for window in length_sorted_windows(samples, sort_window_tokens):
+        units.extend(cut_units(window, max_tokens, max_samples, first_index + len(units)))
+    return units
+
+
+def length_sorted_windows(
+    samples: list[TokenizedSample], window_tokens: int | None
+) -> Iterator[list[TokenizedSample]]:
+    """Consecutive windows of at least ``window_tokens`` tokens (the last may be shorter), each
+    sorted longest first; one window in input order without ``window_tokens``."""
+    if not window_tokens:
+        if samples:
+            yield samples
+        return
+    window: list[TokenizedSample] = []
+    tokens = 0
+    for sample in samples:
+        window.append(sample)
+        tokens += sample.num_tokens
+        if tokens >= window_tokens:
+            yield sort_window(window)
+            window, tokens = [], 0
+    if window:
+        yield sort_window(window)
+
+
+def sort_window(window: list[TokenizedSample]) -> list[TokenizedSample]:
+    """Longest first; Python's sort is stable, so equal lengths keep their input order."""
+    return sorted(window, key=lambda sample: -sample.num_tokens)
+
+
+def cut_units(
+    samples: list[TokenizedSample], max_tokens: int, max_samples: int, first_index: int
+) -> list[WorkUnit]:
+    """Consecutive units of at most ``max_tokens`` / ``max_samples``, numbered from ``first_index``."""
     units: list[WorkUnit] = []
     rows: list[SampleRow] = []
     tokens = 0
     for sample in samples:
         if rows and (tokens + sample.num_tokens > max_tokens or len(rows) >= max_samples):
-            units.append(WorkUnit(len(units), tuple(rows)))
+            units.append(WorkUnit(first_index + len(units), tuple(rows)))
             rows, tokens = [], 0
         rows.append(
             SampleRow(sample.sample_id, sample.source_id, sample.input_ids, sample.loss_mask)
         )
         tokens += sample.num_tokens
     if rows:
-        units.append(WorkUnit(len(units), tuple(rows)))
+        units.append(WorkUnit(first_index + len(units), tuple(rows)))
     return units
 
 

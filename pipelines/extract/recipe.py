@@ -151,6 +151,13 @@ class UnitsSection(RecipeModel):
         description="tokens per unit (= shard); a crash loses at most the units in flight",
     )
     max_samples: int = Field(4096, ge=1, description="samples per unit at most")
+    sort_window_tokens: int | None = Field(
+        1 << 22,
+        ge=1,
+        description="sort samples by length within consecutive windows of this many tokens before "
+        "cutting units, so that units and their batches hold similar lengths (less padding); null: "
+        "units in input order",
+    )
 
 
 class RaySection(RecipeModel):

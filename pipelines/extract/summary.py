@@ -33,6 +33,11 @@ class ExtractionSummary:
     feature_bytes_per_token: int = 0
     wall_seconds: float = 0.0
     extract_seconds: float = 0.0
+    num_workers: int = 0
+    # Summed over units: the shard writer threads' busy time (encode on CPU, checks, appends) and
+    # their time waiting for device-to-host copies.
+    writer_busy_seconds: float = 0.0
+    copy_wait_seconds: float = 0.0
 
     @property
     def num_rejected(self) -> int:
@@ -51,6 +56,12 @@ class ExtractionSummary:
         return self.store_bytes / self.num_tokens if self.num_tokens else 0.0
 
     @property
+    def writer_busy_fraction(self) -> float:
+        """How busy the writer threads were over the run, per worker (1.0: the writing was the limit)."""
+        span = self.extract_seconds * max(1, self.num_workers)
+        return self.writer_busy_seconds / span if span else 0.0
+
+    @property
     def tokens_per_second(self) -> float:
         return self.num_tokens_written / self.extract_seconds if self.extract_seconds else 0.0
 
@@ -61,6 +72,7 @@ class ExtractionSummary:
             padding_waste=self.padding_waste,
             bytes_per_token=self.bytes_per_token,
             tokens_per_second=self.tokens_per_second,
+            writer_busy_fraction=self.writer_busy_fraction,
         )
         return data
 
@@ -83,5 +95,7 @@ class ExtractionSummary:
             f"bytes per token  {self.bytes_per_token:,.0f} in the store "
             f"({self.feature_bytes_per_token:,} of raw features)",
             f"wall time        {self.wall_seconds:.1f} s ({self.tokens_per_second:,.0f} tokens/s extracting)",
+            f"writer busy      {100 * self.writer_busy_fraction:.0f}% of the run per worker "
+            f"({self.num_workers} worker(s))",
         ]
         return "\n".join(lines)

@@ -32,6 +32,7 @@ from hsstore.errors import HsstoreError
 from pipelines.extract.batching import Batch, collate, plan_batches, round_up
 from pipelines.extract.capture import HiddenStateCapture, resolve_pass_attention_mask
 from pipelines.extract.errors import ExtractionError
+from pipelines.extract.placement import SplitPlacement, split_across_devices
 from pipelines.extract.records import Rejection, RejectReason
 from pipelines.extract.sink import HostBufferPool, SampleRow, ShardSink
 
@@ -121,6 +122,9 @@ class WorkerSpec:
     pass_attention_mask: bool | str = "auto"  # see capture.resolve_pass_attention_mask
     pad_token_id: int = 0
     storage_options: dict[str, Any] = field(default_factory=dict)
+    # GPUs this worker owns (a Ray actor with num_gpus_per_worker > 1): the target is split over
+    # them (placement.py), for targets larger than one GPU.
+    num_gpus: int = 1
 
 
 def resolve_device(device: str) -> torch.device:
@@ -157,13 +161,37 @@ def load_target(
     return model
 
 
+def load_split_target(spec: WorkerSpec) -> tuple[torch.nn.Module, SplitPlacement]:
+    """The target loaded on the host, then its layers split over this worker's ``num_gpus`` GPUs
+    (the first ``num_gpus`` visible ones: a Ray actor sees exactly its own)."""
+    visible = torch.cuda.device_count()
+    if visible < spec.num_gpus:
+        raise ExtractionError(
+            f"the worker should split the target over {spec.num_gpus} GPUs but sees {visible}"
+        )
+    model = load_target(
+        spec.target,
+        dtype=spec.dtype,
+        device="cpu",
+        attn_implementation=spec.attn_implementation,
+        trust_remote_code=spec.trust_remote_code,
+    )
+    placement = split_across_devices(model, [f"cuda:{i}" for i in range(spec.num_gpus)])
+    logger.info("split the target over %d GPUs: layers on %s", spec.num_gpus, placement.layer_devices)
+    return model, placement
+
+
 class ExtractionWorker:
     """Loads the target once; :meth:`run_unit` writes one unit's shard and returns its record."""
 
     def __init__(self, spec: WorkerSpec, model: torch.nn.Module | None = None):
         """``model``: an already loaded target (benchmarks, tests); default: load ``spec.target``."""
         self.spec = spec
-        self.device = resolve_device(spec.device)
+        self.device = resolve_device(spec.device)  # where features are gathered and copied from
+        self.input_device = self.device  # where token ids go (the embeddings' device)
+        if model is None and spec.num_gpus > 1:
+            model, placement = load_split_target(spec)
+            self.input_device, self.device = placement.input_device, placement.output_device
         self.model = (
             model
             if model is not None
@@ -306,8 +334,8 @@ class ExtractionWorker:
         # Flat indices of the real tokens, computed here so the GPU is never asked.
         valid_index_N = np.flatnonzero(attention_mask_BT.reshape(-1))
         return self.capture(
-            _to_device(input_ids_BT, self.device),
-            _to_device(attention_mask_BT, self.device),
+            _to_device(input_ids_BT, self.input_device),
+            _to_device(attention_mask_BT, self.input_device),
             _to_device(valid_index_N, self.device),
         )
 
@@ -350,8 +378,8 @@ class ExtractionWorker:
         ids_BT = np.full((1, length), self.spec.pad_token_id, dtype=np.int64)
         try:
             self.capture(
-                _to_device(ids_BT, self.device),
-                _to_device(np.ones_like(ids_BT), self.device),
+                _to_device(ids_BT, self.input_device),
+                _to_device(np.ones_like(ids_BT), self.input_device),
                 _to_device(np.arange(length), self.device),
             )
         except Exception as err:
