@@ -50,9 +50,9 @@ import numpy as np
 import torch
 
 import hsstore
+from hsstore.format.layout import SCALE_GROUPING
 from hsstore.loader import StreamingLoader
 from hsstore.torch_data import to_device
-from hsstore.writer import SCALE_GROUPING
 
 NUM_AUX = 3
 FILES_PER_FOLDER = 2000  # SpecForge/ModelOpt-style dumps: rows/<folder>/data_<i>.ckpt

@@ -21,7 +21,7 @@ from hsstore.errors import (
     StoreNotFoundError,
     StoreWriteError,
 )
-from hsstore.features import FeatureSpec
+from hsstore.format.features import FeatureSpec
 from hsstore.lineage import Lineage, TargetIdentity
 from hsstore.loader import LoaderState, StreamingLoader
 from hsstore.location import StoreLocation

@@ -18,14 +18,13 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from hsstore.errors import CommitConflictError, ManifestError, StoreNotFoundError
-from hsstore.features import FeatureSpec
+from hsstore.format.features import FeatureSpec
+from hsstore.format.layout import LOCK_NAME, MANIFEST_NAME
 from hsstore.lineage import Lineage
 from hsstore.location import StoreLocation, as_location
-from hsstore.manifest import MANIFEST_NAME, ShardRecord, StoreManifest, now_iso, parse_manifest
+from hsstore.manifest import ShardRecord, StoreManifest, now_iso, parse_manifest
 
 logger = logging.getLogger(__name__)
-
-LOCK_NAME = "manifest.lock"
 
 
 def read_manifest(location: StoreLocation) -> StoreManifest | None:

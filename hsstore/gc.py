@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 from hsstore.commit import require_manifest
+from hsstore.format.layout import SHARDS_DIR
 from hsstore.location import StoreLocation
-from hsstore.writer import SHARDS_DIR
 
 
 def collect_garbage(location: StoreLocation, *, min_age_s: float = 3600.0, dry_run: bool = False) -> list[str]:

@@ -2,34 +2,27 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from hsstore.writer import FEATURES_DIR, SAMPLES_FILE
-
-if TYPE_CHECKING:
-    from hsstore.store import Store
+from hsstore.format.layout import array_of_path, feature_of_array, samples_path
+from hsstore.manifest import StoreManifest
 
 
-def store_info(store: Store) -> dict[str, Any]:
-    """A JSON-ready summary. Scripts rely on the top-level keys ``num_samples``, ``num_tokens``,
-    ``bytes_per_token``, ``features`` and ``lineage``."""
-    manifest = store.manifest
+def store_info(manifest: StoreManifest, url: str) -> dict[str, Any]:
+    """A JSON-ready summary of the store at ``url``. Scripts rely on the top-level keys
+    ``num_samples``, ``num_tokens``, ``bytes_per_token``, ``features`` and ``lineage``."""
     num_tokens = manifest.num_tokens
     feature_bytes = {spec.name: 0 for spec in manifest.features}
     table_bytes = 0
     other_bytes = 0  # Zarr group metadata
     for shard in manifest.shards:
-        prefix = f"{shard.path}/{FEATURES_DIR}/"
         for entry in shard.files:
-            if entry.path == f"{shard.path}/{SAMPLES_FILE}":
+            array_name = array_of_path(shard.path, entry.path)
+            feature = None if array_name is None else feature_of_array(array_name)
+            if entry.path == samples_path(shard.path):
                 table_bytes += entry.size
-            elif entry.path.startswith(prefix):
-                array_name = entry.path[len(prefix) :].split("/", 1)[0]
-                feature = array_name.split(".", 1)[0]
-                if feature in feature_bytes:
-                    feature_bytes[feature] += entry.size
-                else:
-                    other_bytes += entry.size
+            elif feature in feature_bytes:
+                feature_bytes[feature] += entry.size
             else:
                 other_bytes += entry.size
 
@@ -53,7 +46,7 @@ def store_info(store: Store) -> dict[str, Any]:
     }
     total = manifest.num_bytes
     return {
-        "url": store.url,
+        "url": url,
         "format_version": manifest.format_version,
         "generation": manifest.generation,
         "num_samples": manifest.num_samples,

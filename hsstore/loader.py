@@ -18,8 +18,7 @@ the sample lengths; this module executes it:
 
 Importing this module does not import torch; the functions that return tensors import it. The
 torch-facing half (``DeviceBatch``, ``to_device``, ``StoreBatchDataset``, ``make_dataloader``,
-``WaitTimer``) lives in :mod:`hsstore.torch_data`; those names still resolve here, lazily, for the
-code written against this module.
+``WaitTimer``) lives in :mod:`hsstore.torch_data`, which imports this module (never the reverse).
 """
 
 from __future__ import annotations
@@ -33,12 +32,14 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from hsstore.errors import ShardCorruptError
-from hsstore.features import TABLE_FEATURES, FeatureSpec
+from hsstore.format import codecs
+from hsstore.format.features import FeatureSpec
+from hsstore.format.layout import TABLE_FEATURES
 from hsstore.packing import (
     EpochPlan,
     LoaderError,
@@ -49,14 +50,12 @@ from hsstore.packing import (
 )
 from hsstore.store import Store, open_store
 
-if TYPE_CHECKING:
-    # What the lazy ``__getattr__`` below hands out, for type checkers (the ``X as X`` form marks a
-    # re-export). Not imported at run time: hsstore.torch_data imports torch, and this module.
-    from hsstore.torch_data import DeviceBatch as DeviceBatch
-    from hsstore.torch_data import StoreBatchDataset as StoreBatchDataset
-    from hsstore.torch_data import WaitTimer as WaitTimer
-    from hsstore.torch_data import make_dataloader as make_dataloader
-    from hsstore.torch_data import to_device as to_device
+
+class BatchPosition(Protocol):
+    """Where a batch sits in the stream: a :class:`HostBatch` or a ``torch_data.DeviceBatch``."""
+
+    epoch: int
+    index: int
 
 logger = logging.getLogger(__name__)
 
@@ -301,7 +300,7 @@ class StreamingLoader:
             num_samples=self.num_samples,
         )
 
-    def state_after(self, batch: HostBatch | DeviceBatch) -> LoaderState:
+    def state_after(self, batch: BatchPosition) -> LoaderState:
         """The state to save once ``batch`` has been used: resuming from it yields the next batch."""
         nxt = batch.index + 1
         if nxt >= self.num_batches(batch.epoch):
@@ -411,7 +410,7 @@ class StreamingLoader:
         """Allocate the group's batches and start reading every sample straight into its place.
 
         One read per sample: :meth:`Store.read_token_range` scatters the sample's rows into the batch
-        buffer with one ``preadv`` per array (hsstore.shardfile), so the bytes are copied once, by the
+        buffer with one ``preadv`` per array (hsstore.format.array_reader), so the bytes are copied once, by the
         kernel, instead of into a range buffer first and then into the batch.
         """
         batches: list[_PlannedBatch] = []
@@ -439,8 +438,6 @@ class StreamingLoader:
         # batch's bf16 slots. Every reader decodes its own samples, so decoding spreads over the
         # read threads and overlaps the reads of the others.
         import torch
-
-        from hsstore import codecs
 
         targets = {key: value for key, value in out.items() if key not in self._decoded_here}
         scratch = self._scratch.__dict__
@@ -557,26 +554,6 @@ class StreamingLoader:
         return kept, packed
 
 
-# Names that moved to hsstore.torch_data and are still importable from here. They resolve on first
-# lookup, so ``import hsstore.loader`` (and ``import hsstore``) stay free of torch, and there is no
-# import cycle: torch_data imports this module, never the other way round at import time.
-_TORCH_DATA_NAMES = frozenset({"DeviceBatch", "StoreBatchDataset", "WaitTimer", "make_dataloader", "to_device"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _TORCH_DATA_NAMES:
-        from hsstore import torch_data
-
-        return getattr(torch_data, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | _TORCH_DATA_NAMES)
-
-
-# The torch-facing names are exported by hsstore.torch_data; listing them here would make
-# ``from hsstore.loader import *`` import torch.
 __all__ = [
     "HostBatch",
     "LoaderError",

@@ -16,12 +16,12 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hsstore.errors import ManifestError
-from hsstore.features import FeatureSpec
+from hsstore.format.features import FeatureSpec
+from hsstore.format.layout import MANIFEST_NAME
 from hsstore.lineage import Lineage
 
 FORMAT_VERSION = 1
 SUPPORTED_FORMAT_VERSIONS = (1,)
-MANIFEST_NAME = "manifest.json"
 SHARD_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
 _SHARD_ID_RE = re.compile(SHARD_ID_PATTERN)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import json
 import os
 import threading
 from functools import cached_property
@@ -16,15 +17,24 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from hsstore import codecs
 from hsstore.commit import require_manifest
 from hsstore.errors import ShardCorruptError
-from hsstore.features import TABLE_FEATURES, FeatureSpec
+from hsstore.format import codecs
+from hsstore.format.array_reader import ArrayReader
+from hsstore.format.chunk_layout import layout_of
+from hsstore.format.features import FeatureSpec
+from hsstore.format.layout import (
+    SAMPLE_SCHEMA,
+    TABLE_FEATURES,
+    ZARR_METADATA_FILE,
+    array_dir,
+    features_root,
+    samples_path,
+)
+from hsstore.info import store_info
 from hsstore.lineage import Lineage
 from hsstore.location import StoreLocation
 from hsstore.manifest import ShardRecord, StoreManifest
-from hsstore.shardfile import ArrayReader, layout_of
-from hsstore.writer import FEATURES_DIR, SAMPLES_FILE
 
 if TYPE_CHECKING:
     import torch
@@ -99,11 +109,12 @@ class Store:
         if table is not None:
             return table
         shard = self.shard(shard_id)
-        path = f"{shard.path}/{SAMPLES_FILE}"
+        path = samples_path(shard.path)
         entry = next((f for f in shard.files if f.path == path), None)
         try:
             # The table is small (ids and masks): read it whole and check it against the manifest
-            # before trusting a single offset. Feature chunks carry their own crc32c, checked on every read (hsstore.shardfile).
+            # before trusting a single offset. Feature chunks carry their own crc32c, checked on every
+            # read (hsstore.format.array_reader).
             data = self.location.read_bytes(path)
             if entry is not None and (len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256):
                 raise ShardCorruptError(
@@ -111,9 +122,9 @@ class Store:
                     "manifest (the shard is damaged; run hsstore verify)"
                 )
             table = pa.ipc.open_file(pa.BufferReader(data)).read_all()
-        except ShardCorruptError:
-            raise
-        except (OSError, pa.ArrowInvalid) as err:
+        except FileNotFoundError as err:
+            raise ShardCorruptError(f"shard {shard_id}: {self.location.path(path)}: cannot read the sample table: the file is missing") from err
+        except pa.ArrowInvalid as err:  # not an Arrow IPC file (an I/O error stays an OSError)
             raise ShardCorruptError(f"shard {shard_id}: {self.location.path(path)}: cannot read the sample table: {err}") from err
         if table.num_rows != shard.num_samples:
             raise ShardCorruptError(
@@ -135,8 +146,6 @@ class Store:
             table = table.add_column(1, "row", pa.array(np.arange(table.num_rows, dtype=np.int32)))
             tables.append(table)
         if not tables:
-            from hsstore.writer import SAMPLE_SCHEMA
-
             schema = pa.schema([pa.field("shard_id", pa.string()), pa.field("row", pa.int32()), *SAMPLE_SCHEMA])
             return schema.empty_table()
         return pa.concat_tables(tables)
@@ -151,29 +160,29 @@ class Store:
     # -- features -----------------------------------------------------------------------------
 
     def _array(self, shard: ShardRecord, array_name: str) -> Any:
-        """A reader for one array of one shard: :class:`hsstore.shardfile.ArrayReader` for the layouts
-        hsstore writes, the zarr array itself for any other (both have ``read``-able rows)."""
+        """A reader for one array of one shard: :class:`~hsstore.format.array_reader.ArrayReader` for
+        the layouts hsstore writes, the zarr array itself for any other (both have ``read``-able rows)."""
         key = (shard.shard_id, array_name)
         with self._lock:
             array = self._arrays.get(key)
         if array is not None:
             return array
-        import zarr
-
-        array_dir = f"{shard.path}/{FEATURES_DIR}/{array_name}"
+        where = self.location.path(array_dir(shard.path, array_name))
         try:
-            zstore = self.location.zarr_store(f"{shard.path}/{FEATURES_DIR}", read_only=True)
-            array = zarr.open_array(zstore, path=array_name, mode="r")
-        except Exception as err:
-            raise ShardCorruptError(
-                f"shard {shard.shard_id}: {self.location.path(array_dir)}: cannot open: {err}"
-            ) from err
-        if array.shape[0] != shard.num_tokens:
-            raise ShardCorruptError(
-                f"{self.location.path(array_dir)}: {array.shape[0]} tokens, manifest says {shard.num_tokens}"
-            )
-        layout = layout_of(array)
-        reader = ArrayReader(self.location, array_dir, layout, shard.num_tokens) if layout else _ZarrRows(array)
+            metadata = json.loads(self.location.read_bytes(f"{array_dir(shard.path, array_name)}/{ZARR_METADATA_FILE}"))
+        except FileNotFoundError as err:
+            raise ShardCorruptError(f"shard {shard.shard_id}: {where}: {ZARR_METADATA_FILE} is missing") from err
+        except ValueError as err:  # not JSON (or not UTF-8)
+            raise ShardCorruptError(f"shard {shard.shard_id}: {where}/{ZARR_METADATA_FILE}: not valid JSON ({err})") from err
+        layout = layout_of(metadata) if isinstance(metadata, dict) else None
+        if layout is not None:
+            num_rows = int(metadata["shape"][0])
+            reader: Any = ArrayReader(self.location, array_dir(shard.path, array_name), layout, shard.num_tokens)
+        else:
+            reader = _ZarrRows.open(self.location, shard, array_name)
+            num_rows = reader.array.shape[0]
+        if num_rows != shard.num_tokens:
+            raise ShardCorruptError(f"{where}: {num_rows} tokens, manifest says {shard.num_tokens}")
         with self._lock:
             self._arrays[key] = reader
         return reader
@@ -208,17 +217,10 @@ class Store:
             if name not in self.features:
                 raise KeyError(f"{self.url}: no feature {name!r} (has {sorted(self.features)})")
             for array_name in self.features[name].array_names():
+                # Damage raises ShardCorruptError naming the file, an I/O failure OSError; anything
+                # else is a bug and must not be mistaken for (and skipped as) corruption.
                 target = None if out is None else out.get(array_name)
-                try:
-                    result[array_name] = self._array(shard, array_name).read(start, stop, target)
-                except (ShardCorruptError, ValueError):
-                    raise
-                except Exception as err:
-                    raise ShardCorruptError(
-                        f"shard {shard.shard_id}: {self.location.path(shard.path)}/{FEATURES_DIR}/"
-                        f"{array_name}: read of tokens [{start}, {stop}) failed ({err}); "
-                        "run hsstore verify"
-                    ) from err
+                result[array_name] = self._array(shard, array_name).read(start, stop, target)
         return result
 
     def read_sample(
@@ -270,20 +272,34 @@ class Store:
         return [str(p) for p in verify_store(self.location, checksums=checksums)]
 
     def info(self) -> dict[str, Any]:
-        from hsstore.info import store_info
-
-        return store_info(self)
+        """What :func:`hsstore.info.store_info` says about this store."""
+        return store_info(self.manifest, self.url)
 
 
 class _ZarrRows:
-    """Rows of a zarr array in a layout :mod:`hsstore.shardfile` does not handle (written by another
-    tool): read through zarr, then copied into ``out``."""
+    """Rows of a zarr array in a layout :mod:`hsstore.format.array_reader` does not handle (written by
+    another tool): read through zarr-python, then copied into ``out``."""
 
-    def __init__(self, array: Any):
+    def __init__(self, array: Any, where: str):
         self.array = array
+        self.where = where
+
+    @classmethod
+    def open(cls, location: StoreLocation, shard: ShardRecord, array_name: str) -> _ZarrRows:
+        import zarr
+
+        where = location.path(array_dir(shard.path, array_name))
+        try:
+            zstore = location.zarr_store(features_root(shard.path), read_only=True)
+            return cls(zarr.open_array(zstore, path=array_name, mode="r"), where)
+        except (ValueError, KeyError) as err:  # zarr's metadata errors are ValueErrors
+            raise ShardCorruptError(f"shard {shard.shard_id}: {where}: cannot open: {err}") from err
 
     def read(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
-        rows = self.array[start:stop]
+        try:
+            rows = self.array[start:stop]
+        except (ValueError, RuntimeError) as err:  # a chunk that fails its codecs (checksum, frame)
+            raise ShardCorruptError(f"{self.where}: tokens [{start}, {stop}) do not decode: {err}") from err
         if out is None:
             return rows
         out[...] = rows

@@ -13,9 +13,6 @@ here instead, and this module imports torch at the top:
   rank's stream, which is the order torch's DataLoader returns them in. No shared memory or lock
   files between workers. :func:`make_dataloader` builds that DataLoader.
 - **Data wait**: :class:`WaitTimer` measures how long the training loop blocks on the next batch.
-
-These names are also reachable as ``hsstore.loader.<name>`` (where they used to live); that path
-imports this module, and torch, only when one of them is first looked up.
 """
 
 from __future__ import annotations
@@ -29,8 +26,8 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from hsstore import codecs
-from hsstore.features import FeatureSpec
+from hsstore.format import codecs
+from hsstore.format.features import FeatureSpec
 from hsstore.loader import HostBatch, LoaderState, StreamingLoader
 
 

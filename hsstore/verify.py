@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from hsstore.commit import LOCK_NAME, read_manifest
+from hsstore.commit import read_manifest
 from hsstore.errors import HsstoreError
+from hsstore.format.layout import LOCK_NAME, MANIFEST_NAME, features_root, samples_path
 from hsstore.location import StoreLocation
-from hsstore.manifest import MANIFEST_NAME, ShardRecord, StoreManifest
-from hsstore.writer import FEATURES_DIR, SAMPLES_FILE
+from hsstore.manifest import ShardRecord, StoreManifest
 
 # Files a store may hold besides shards; never reported as garbage.
 KNOWN_TOP_LEVEL = {MANIFEST_NAME, LOCK_NAME}
@@ -92,7 +92,7 @@ def verify_shard(
 
 
 def _check_table(location: StoreLocation, shard: ShardRecord, seen_ids: dict[str, str] | None) -> list[Problem]:
-    path = f"{shard.path}/{SAMPLES_FILE}"
+    path = samples_path(shard.path)
     try:
         table = pa.ipc.open_file(pa.BufferReader(location.read_bytes(path))).read_all()
     except (OSError, pa.ArrowInvalid) as err:
@@ -125,7 +125,7 @@ def _check_arrays(location: StoreLocation, manifest: StoreManifest, shard: Shard
     import zarr
 
     problems = []
-    root = f"{shard.path}/{FEATURES_DIR}"
+    root = features_root(shard.path)
     for spec in manifest.features:
         for array_name, tail, _ in spec.stored_arrays():
             where = f"{root}/{array_name}"

@@ -1,7 +1,7 @@
 """Writing shards and committing them.
 
-A :class:`ShardWriter` owns one shard: it streams encoded samples into each feature array's Zarr shard
-files chunk by chunk (:mod:`hsstore.shardfile`; a few chunks of memory per array, whatever the shard
+A :class:`ShardWriter` owns one store shard: it streams encoded samples into each feature array's
+Zarr shard files chunk by chunk (:mod:`hsstore.format.array_writer`; a few chunks of memory per array, whatever the shard
 size), writes the arrays' ``zarr.json`` and the Arrow sample table last, and returns a
 :class:`ShardRecord` with every file's size and sha256. Nothing it writes is visible until :func:`commit_shards`
 adds the record to the manifest.
@@ -25,10 +25,22 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from hsstore import codecs
 from hsstore.commit import commit_shards, ensure_store
 from hsstore.errors import StoreWriteError
-from hsstore.features import SCALE_SUFFIX, FeatureSpec
+from hsstore.format import codecs
+from hsstore.format.array_writer import ArrayWriter, WrittenFile
+from hsstore.format.chunk_layout import ChunkLayout
+from hsstore.format.features import FeatureSpec
+from hsstore.format.layout import (
+    SAMPLE_SCHEMA,
+    SCALE_GROUPING,
+    SHARDS_DIR,
+    array_dir,
+    feature_of_array,
+    features_root,
+    samples_path,
+    shard_folder,
+)
 from hsstore.lineage import Lineage
 from hsstore.location import StoreLocation, as_location
 from hsstore.manifest import (
@@ -37,27 +49,8 @@ from hsstore.manifest import (
     check_shard_id,
     shard_checksum,
 )
-from hsstore.shardfile import ArrayStream, ChunkLayout, WrittenFile
 
 logger = logging.getLogger(__name__)
-
-SHARDS_DIR = "shards"
-SAMPLES_FILE = "samples.arrow"
-FEATURES_DIR = "features.zarr"
-# fp8 scale arrays group this many value chunks (and Zarr shards) into one.
-SCALE_GROUPING = 16
-
-SAMPLE_SCHEMA = pa.schema(
-    [
-        pa.field("sample_id", pa.string(), nullable=False),
-        pa.field("source_id", pa.string(), nullable=False),
-        pa.field("num_tokens", pa.int32(), nullable=False),
-        pa.field("token_offset", pa.int64(), nullable=False),
-        pa.field("num_loss_tokens", pa.int32(), nullable=False),
-        pa.field("input_ids", pa.list_(pa.int32()), nullable=False),
-        pa.field("loss_mask", pa.list_(pa.uint8()), nullable=False),
-    ]
-)
 
 
 def _to_numpy_1d(values: Any, dtype: Any, what: str) -> np.ndarray:
@@ -85,32 +78,29 @@ class ShardWriter:
         self.location = as_location(url, storage_options)
         self.shard_id = check_shard_id(shard_id)
         self.features = {spec.name: spec for spec in features}
-        self.folder = f"{SHARDS_DIR}/{shard_id}.{uuid.uuid4().hex[:12]}"
+        self.folder = shard_folder(shard_id, uuid.uuid4().hex[:12])
         # Locally, write under a dot-name and rename the finished folder into place.
         self._work = (
             f"{SHARDS_DIR}/.tmp-{self.folder.split('/')[-1]}" if self.location.is_local else self.folder
         )
         self.location.makedirs(self._work)
         self._group = zarr.open_group(
-            self.location.zarr_store(f"{self._work}/{FEATURES_DIR}", read_only=False), mode="w"
+            self.location.zarr_store(features_root(self._work), read_only=False), mode="w"
         )
-        # Each array streams its chunks to its own files from its own thread (shardfile.ArrayStream);
+        # Each array streams its chunks to its own files from its own thread (ArrayWriter);
         # the arrays' zarr.json is written by zarr in finish(), once the token count is known.
-        self._streams: dict[str, ArrayStream] = {}
+        self._streams: dict[str, ArrayWriter] = {}
         for spec in features:
-            for array_name, tail, dtype in spec.stored_arrays():
-                is_scale = array_name != spec.name
+            for array_name, row_shape, dtype in spec.stored_arrays():
                 chunk_tokens = spec.chunk_tokens or 1
                 shard_tokens = spec.shard_tokens
-                if is_scale:
-                    # Scales are 4 bytes per token and layer: chunked like the values they would be
-                    # KB-sized, doubling the chunks a read touches.
+                if array_name != spec.name:  # a codec's extra array (fp8 scales): a few bytes per token
                     chunk_tokens *= SCALE_GROUPING
                     shard_tokens = None if shard_tokens is None else SCALE_GROUPING * shard_tokens
-                self._streams[array_name] = ArrayStream(
+                self._streams[array_name] = ArrayWriter(
                     self.location,
-                    f"{self._work}/{FEATURES_DIR}/{array_name}",
-                    tail=tail,
+                    array_dir(self._work, array_name),
+                    row_shape=row_shape,
                     dtype=dtype,
                     chunk_tokens=chunk_tokens,
                     shard_tokens=shard_tokens,
@@ -179,10 +169,10 @@ class ShardWriter:
             )
         for name, stream in self._streams.items():
             array = arrays[name]
-            if array.shape != (num_tokens, *stream.tail) or array.dtype != stream.dtype:
+            if array.shape != (num_tokens, *stream.row_shape) or array.dtype != stream.dtype:
                 raise StoreWriteError(
                     f"shard {self.shard_id}: encoded array {name!r} is {array.dtype} "
-                    f"{tuple(array.shape)}; expected {stream.dtype} {(num_tokens, *stream.tail)} "
+                    f"{tuple(array.shape)}; expected {stream.dtype} {(num_tokens, *stream.row_shape)} "
                     f"for {len(rows)} samples"
                 )
         for spec in self.features.values():
@@ -300,19 +290,19 @@ class ShardWriter:
         with pa.ipc.new_file(sink, table.schema) as ipc:
             ipc.write_table(table)
         data = sink.getvalue().to_pybytes()
-        path = self.location.path(f"{self._work}/{SAMPLES_FILE}")
+        path = self.location.path(samples_path(self._work))
         with self.location.fs.open(path, "wb") as handle:
             handle.write(data)
 
     def _write_array_metadata(self, array_name: str, num_tokens: int, layout: ChunkLayout) -> None:
         """``zarr.json`` of one array, by zarr itself, declaring exactly the layout the stream wrote."""
-        spec = self.features[array_name.removesuffix(SCALE_SUFFIX)]
+        spec = self.features[feature_of_array(array_name)]
         self._group.create_array(
             array_name,
-            shape=(num_tokens, *layout.tail),
+            shape=(num_tokens, *layout.row_shape),
             dtype=layout.dtype,
-            chunks=(layout.chunk_tokens, *layout.tail),
-            shards=(layout.shard_tokens, *layout.tail),
+            chunks=(layout.chunk_tokens, *layout.row_shape),
+            shards=(layout.shard_tokens, *layout.row_shape),
             compressors=layout.zarr_compressors(),
             fill_value=0,
             chunk_key_encoding={"name": "default", "separator": "/"},

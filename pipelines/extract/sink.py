@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from hsstore import FeatureSpec, ShardRecord, ShardWriter
-from hsstore.codecs import encode_torch
 from hsstore.errors import StoreWriteError
+from hsstore.format.codecs import encode_torch
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hsstore.errors import LineageMismatchError
-from hsstore.features import (
+from hsstore.format.features import (
     AUX_HIDDEN_STATES,
     DRAFT_PROBS,
     FINAL_HIDDEN_STATE,

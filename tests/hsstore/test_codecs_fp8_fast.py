@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from hsstore import CodecError, FeatureSpec, codecs
+from hsstore.format import fp8
 
 MIN_SCALE_EXPONENT, MAX_SCALE_EXPONENT = -126, 127  # every normal float32 power of two
 FAST_SCALE_EXPONENTS = (-117, 119)  # the range decode_torch's CPU fast path accepts
@@ -43,7 +44,7 @@ def assert_bits_match(decoded: torch.Tensor, expected_bits: np.ndarray) -> None:
 @pytest.fixture(params=[1, 3], ids=["1-thread", "3-threads"])
 def tiny_gather_chunks(request, monkeypatch):
     """Chunks of 64 values, so that small arrays exercise the chunk loop and the thread split."""
-    monkeypatch.setattr(codecs, "_GATHER_CHUNK", 64)
+    monkeypatch.setattr(fp8, "_GATHER_CHUNK", 64)
     monkeypatch.setattr(torch, "get_num_threads", lambda: request.param)
     return request.param
 
@@ -189,7 +190,7 @@ def test_fp8_scale_outside_the_fast_range_takes_the_float32_route(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the bf16 fast path must not run for this batch")
 
-    monkeypatch.setattr(codecs, "_decode_fp8_cpu_bf16", refuse)
+    monkeypatch.setattr(fp8, "_decode_fp8_cpu_bf16", refuse)
     bits = np.arange(256, dtype=np.uint8).reshape(2, 128)
     for odd_scale in (2.0**-118, 2.0**120, 0.75, -(2.0**-40) * 3):
         scale = np.array([1.0, odd_scale], dtype=np.float32)
@@ -205,7 +206,7 @@ def test_fp8_negative_power_of_two_scale_decodes_exactly():
 
 
 def test_fp8_pair_table_holds_both_values_of_every_byte_pair():
-    pairs = codecs._fp8_pair_table()
+    pairs = fp8._fp8_pair_table()
     as_bytes = np.arange(1 << 16, dtype=np.uint16).view(np.uint8).reshape(-1, 2)
     halves = pairs.view(np.uint16).reshape(-1, 2)
     np.testing.assert_array_equal(halves, codecs.FP8_E4M3_BF16_BITS[as_bytes])
@@ -289,8 +290,8 @@ def test_fp8_zero_scales_of_batch_padding_keep_the_fast_path(monkeypatch):
     """Loader batches hold scale 0 on padding tokens: that must not send the batch down the float32
     route (it did, and made CPU decoding of fp8 stores 4x slower in bench_store)."""
     calls = []
-    fast = codecs._decode_fp8_cpu_bf16
-    monkeypatch.setattr(codecs, "_decode_fp8_cpu_bf16", lambda *a: calls.append(1) or fast(*a))
+    fast = fp8._decode_fp8_cpu_bf16
+    monkeypatch.setattr(fp8, "_decode_fp8_cpu_bf16", lambda *a: calls.append(1) or fast(*a))
     bits = np.arange(256, dtype=np.uint8).reshape(2, 128)
     bits[1] = 0  # a padding row: zero bits, zero scale
     scale = np.array([2.0**-3, 0.0], dtype=np.float32)

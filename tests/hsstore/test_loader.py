@@ -329,20 +329,3 @@ def test_corrupt_shard_stops_or_is_skipped_and_counted(tmp_path: Path) -> None:
 def test_import_does_not_pull_torch() -> None:
     code = "import sys, hsstore.loader, hsstore.packing; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
-
-
-
-def test_torch_names_still_import_from_loader() -> None:
-    """The torch half moved to hsstore.torch_data; code written against hsstore.loader still gets
-    the same objects (test_import_does_not_pull_torch checks the lookup stays lazy)."""
-    from hsstore import loader, torch_data
-    from hsstore.loader import DeviceBatch, StoreBatchDataset, WaitTimer, make_dataloader, to_device
-
-    assert DeviceBatch is torch_data.DeviceBatch
-    assert StoreBatchDataset is torch_data.StoreBatchDataset
-    assert WaitTimer is torch_data.WaitTimer
-    assert make_dataloader is torch_data.make_dataloader
-    assert to_device is torch_data.to_device
-    assert {"DeviceBatch", "StoreBatchDataset", "WaitTimer", "make_dataloader", "to_device"} <= set(dir(loader))
-    with pytest.raises(AttributeError, match="module 'hsstore.loader' has no attribute 'no_such_name'"):
-        loader.no_such_name  # noqa: B018

@@ -1,4 +1,5 @@
-"""Zarr shard files written as a stream and read straight into buffers (hsstore.shardfile).
+"""Zarr shard files written as a stream and read straight into buffers (hsstore.format.array_writer,
+hsstore.format.array_reader).
 
 The contract: the files are Zarr v3 sharded arrays that zarr-python reads unchanged, our reader reads
 zarr-python's own files, every byte read is crc32c-checked, and a read lands exactly the requested
@@ -17,17 +18,25 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hsstore.errors import ShardCorruptError
+from hsstore.format.array_reader import ArrayReader
+from hsstore.format.array_writer import ArrayWriter
+from hsstore.format.chunk_layout import ChunkLayout
+from hsstore.format.chunk_layout import layout_of as layout_of_metadata
 from hsstore.location import StoreLocation
-from hsstore.shardfile import ArrayReader, ArrayStream, ChunkLayout, layout_of
 
 TAIL = (3, 5)
+
+
+def layout_of(array: zarr.Array) -> ChunkLayout | None:
+    """The layout hsstore sees in the array's zarr.json (the JSON zarr-python wrote)."""
+    return layout_of_metadata(array.metadata.to_dict())
 
 
 def write_stream(root: Path, rows: np.ndarray, *, chunk_tokens: int, shard_tokens: int | None, compression: str, pieces: int = 7) -> tuple[zarr.Array, int]:
     """Stream ``rows`` in uneven pieces into ``root/g/x``, then declare the array through zarr."""
     location = StoreLocation(str(root))
     group = zarr.open_group(str(root / "g"), mode="w")
-    stream = ArrayStream(location, "g/x", tail=rows.shape[1:], dtype=rows.dtype, chunk_tokens=chunk_tokens, shard_tokens=shard_tokens, compression=compression, level=1)
+    stream = ArrayWriter(location, "g/x", row_shape=rows.shape[1:], dtype=rows.dtype, chunk_tokens=chunk_tokens, shard_tokens=shard_tokens, compression=compression, level=1)
     cuts = np.linspace(0, len(rows), pieces + 1).astype(int)
     for a, b in zip(cuts[:-1], cuts[1:], strict=True):
         stream.append(rows[a:b])
@@ -161,7 +170,7 @@ def test_streaming_holds_a_few_chunks_not_the_shard(tmp_path):
     """One file holds the whole array however long it is; the stream keeps at most
     max_in_flight + 1 chunk buffers alive (the one filling and those being written)."""
     location = StoreLocation(str(tmp_path))
-    stream = ArrayStream(location, "x", tail=(64,), dtype="uint16", chunk_tokens=8, shard_tokens=None, compression="none", level=1, max_in_flight=2)
+    stream = ArrayWriter(location, "x", row_shape=(64,), dtype="uint16", chunk_tokens=8, shard_tokens=None, compression="none", level=1, max_in_flight=2)
     block = np.ones((5, 64), dtype=np.uint16)
     for _ in range(200):
         stream.append(block)
