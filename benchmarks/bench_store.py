@@ -339,6 +339,7 @@ def read_store(root: Path, seed: int, settings: Settings, decode: bool) -> dict[
             decode_s += time.perf_counter() - t
         tokens += batch.num_real_tokens
         batches += 1
+        batch.release()  # done with it: its buffers take a later batch (no fresh allocation)
     seconds = time.perf_counter() - started
     chunk_tokens = store.features[FEATURES[0]].chunk_tokens or 1
     chunks = sum((stop - 1) // chunk_tokens - start // chunk_tokens + 1 for start, stop in reads if stop > start)

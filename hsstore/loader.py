@@ -4,8 +4,10 @@ The plan (which samples go into which row of which batch, per rank and epoch) co
 :mod:`hsstore.packing` and is a pure function of the seed, the epoch, the manifest's shard list and
 the sample lengths; this module executes it:
 
-- **Reads** go straight into the batch: the buffers of a few upcoming batches are allocated and each
-  sample's token range is read into its place (:meth:`Store.read_token_range` with ``out=``, one
+- **Reads** go straight into the batch: the buffers of a few upcoming batches are taken from a pool
+  (:class:`hsstore.batches.BatchBufferPool`; a batch gives its buffers back when the consumer calls
+  :meth:`HostBatch.release`, or :func:`hsstore.torch_data.to_device` once it has copied them to a
+  GPU) and each sample's token range is read into its place (:meth:`Store.read_token_range` with ``out=``, one
   ``preadv`` per array, crc32c-checked), ``read_threads`` reads in flight, ahead of the consumer.
 - **Bits stay bits** on the host: bf16 as uint16, fp8 as uint8 plus float32 scales. Decoding happens
   in :func:`hsstore.torch_data.to_device` on the training device (a bf16 view, or an fp8 cast times
@@ -25,17 +27,16 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 import numpy as np
 
+from hsstore.batches import BatchBufferPool, BatchPosition, HostBatch, LoaderState
+from hsstore.catalog import build_catalog
 from hsstore.errors import ShardCorruptError
 from hsstore.format import codecs
 from hsstore.format.features import FeatureSpec
@@ -50,13 +51,6 @@ from hsstore.packing import (
 )
 from hsstore.store import Store, open_store
 
-
-class BatchPosition(Protocol):
-    """Where a batch sits in the stream: a :class:`HostBatch` or a ``torch_data.DeviceBatch``."""
-
-    epoch: int
-    index: int
-
 logger = logging.getLogger(__name__)
 
 # (epoch, batch index, rows of global sample indices): one batch of a read group.
@@ -65,120 +59,6 @@ _GroupItem = tuple[int, int, list[np.ndarray]]
 _PlannedBatch = tuple[int, int, list[list[int]], dict[str, np.ndarray]]
 # (position of its batch in the group, sample, the read in flight)
 _Read = tuple[int, int, Future[None]]
-
-
-def _refcount_held_by_one_dict() -> int:
-    """What ``sys.getrefcount(d[k])`` reports for an object only the dict ``d`` refers to (2 on
-    CPython 3.11-3.13: the dict and the call's argument; measured, since interpreters differ)."""
-    probe = {"array": np.empty(1)}
-    return sys.getrefcount(probe["array"])
-
-
-_ONLY_IN_A_DICT = _refcount_held_by_one_dict()
-
-
-@dataclass(frozen=True)
-class LoaderState:
-    """Where a rank's stream stands: the next batch is ``batch_in_epoch`` of ``epoch``.
-
-    The settings that shape the plan are recorded too, so a resume with another world size, budget
-    or window (which would silently change what is seen) is refused instead.
-    """
-
-    seed: int
-    epoch: int = 0
-    batch_in_epoch: int = 0
-    world_size: int = 1
-    token_budget: int = 0
-    rows_per_batch: int = 0
-    shuffle_window: int = 0
-    num_samples: int = 0
-
-    def to_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> LoaderState:
-        unknown = set(data) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise LoaderError(f"loader state has unknown keys {sorted(unknown)}")
-        return cls(**{key: int(value) for key, value in data.items()})
-
-
-@dataclass
-class HostBatch:
-    """One packed batch on the host, features still in stored bits.
-
-    Token arrays are ``[B, T]`` (``T = token_budget``); ``features[name]`` is ``[B, T, *shape]`` in the
-    storage dtype (uint16 for bf16, uint8 for fp8) with ``features[name + ".scale"]`` for fp8.
-    Padding is zeros with ``loss_mask`` 0 and ``doc_ids`` -1.
-    """
-
-    epoch: int
-    index: int  # batch index within the rank's epoch
-    input_ids: np.ndarray  # int64 [B, T]
-    loss_mask: np.ndarray  # uint8 [B, T]
-    position_ids: np.ndarray  # int64 [B, T], restarts per document
-    doc_ids: np.ndarray  # int32 [B, T], -1 on padding
-    doc_remaining: np.ndarray  # int32 [B, T], tokens after t in its document
-    doc_lengths: list[list[int]]
-    sample_indices: list[list[int]]  # global sample indices per row, in row order
-    features: dict[str, np.ndarray]
-    num_real_tokens: int
-    num_skipped_samples: int = 0
-    read_seconds: float = 0.0
-    bytes_read: int = 0
-
-    @property
-    def num_padding_tokens(self) -> int:
-        rows, tokens = self.input_ids.shape  # numpy or (from a DataLoader worker) torch
-        return int(rows * tokens) - self.num_real_tokens
-
-
-@dataclass
-class _Catalog:
-    """Per-sample locations in manifest order, plus lazily opened token/loss-mask columns."""
-
-    shard_ids: list[str]
-    shard_sample_counts: list[int]
-    shard_of: np.ndarray  # int32 [N]
-    row_of: np.ndarray  # int32 [N]
-    token_offset: np.ndarray  # int64 [N]
-    num_tokens: np.ndarray  # int64 [N]
-    sample_names: list[str]
-    columns: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
-
-
-def _build_catalog(store: Store) -> _Catalog:
-    shard_ids: list[str] = []
-    counts: list[int] = []
-    shard_of: list[np.ndarray] = []
-    row_of: list[np.ndarray] = []
-    offsets: list[np.ndarray] = []
-    lengths: list[np.ndarray] = []
-    names: list[str] = []
-    for index, shard in enumerate(store.shards):
-        table = store.shard_samples(shard.shard_id)
-        shard_ids.append(shard.shard_id)
-        counts.append(table.num_rows)
-        shard_of.append(np.full(table.num_rows, index, dtype=np.int32))
-        row_of.append(np.arange(table.num_rows, dtype=np.int32))
-        offsets.append(table.column("token_offset").to_numpy().astype(np.int64))
-        lengths.append(table.column("num_tokens").to_numpy().astype(np.int64))
-        names.extend(f"{sid} (shard {shard.shard_id})" for sid in table.column("sample_id").to_pylist())
-
-    def cat(parts: list[np.ndarray], dtype: Any) -> np.ndarray:
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
-
-    return _Catalog(
-        shard_ids=shard_ids,
-        shard_sample_counts=counts,
-        shard_of=cat(shard_of, np.int32),
-        row_of=cat(row_of, np.int32),
-        token_offset=cat(offsets, np.int64),
-        num_tokens=cat(lengths, np.int64),
-        sample_names=names,
-    )
 
 
 class StreamingLoader:
@@ -236,12 +116,16 @@ class StreamingLoader:
             for name, spec in self._stored_specs.items()
         }
         self._scratch = threading.local()
-        self._pool: dict[int, list[dict[str, np.ndarray]]] = {}  # batch buffers by row count
-        self._pool_lock = threading.Lock()
-        self._catalog = _build_catalog(self.store)
+        # Batch buffers, recycled when a batch is released (HostBatch.release); enough free sets for
+        # the batches in flight and one being consumed.
+        self._buffers = BatchBufferPool(
+            [array for spec in self._specs.values() for array in spec.stored_arrays()],
+            token_budget,
+            max_free=prefetch_batches + 2,
+        )
+        self._catalog = build_catalog(self.store)
         self._plans: dict[int, EpochPlan] = {}
         self._plans_lock = threading.Lock()
-        self._columns_lock = threading.Lock()
         self.num_skipped_samples = 0
 
     # -- the plan ----------------------------------------------------------------------------
@@ -379,33 +263,6 @@ class StreamingLoader:
     def _clipped_length(self, sample: int) -> int:
         return int(min(self._catalog.num_tokens[sample], self.token_budget))
 
-    def _allocate(self, row_lengths: list[int]) -> dict[str, np.ndarray]:
-        """Feature buffers of one batch in stored dtypes, each row zero past ``row_lengths[b]``.
-
-        Buffers are recycled: a fresh 100 MB buffer costs ~25k page faults (~20 ms here, several
-        times that on some VMs), about as much as reading the data into it. A buffer set is reused
-        once nothing but this pool refers to its arrays (the consumer dropped the batch and every
-        tensor or view of it), which ``sys.getrefcount`` tells exactly.
-        """
-        num_rows = len(row_lengths)
-        with self._pool_lock:
-            for arrays in self._pool.get(num_rows, []):
-                # Free when held by the pool's dict alone: no batch, view or tensor is left.
-                if all(sys.getrefcount(arrays[key]) <= _ONLY_IN_A_DICT for key in arrays):
-                    for array in arrays.values():
-                        for b, length in enumerate(row_lengths):
-                            array[b, length:] = 0
-                    return dict(arrays)
-            arrays = {
-                array_name: np.zeros((num_rows, self.token_budget, *per_token), dtype=dtype)
-                for spec in self._specs.values()
-                for array_name, per_token, dtype in spec.stored_arrays()
-            }
-            sets = self._pool.setdefault(num_rows, [])
-            if len(sets) < self.prefetch_batches + 4:  # in flight + being consumed + a margin
-                sets.append(arrays)
-            return dict(arrays)
-
     def _start_group(self, group: list[_GroupItem], pool: ThreadPoolExecutor) -> tuple[list[_PlannedBatch], list[_Read]]:
         """Allocate the group's batches and start reading every sample straight into its place.
 
@@ -417,7 +274,7 @@ class StreamingLoader:
         reads: list[_Read] = []
         for n, (epoch, j, planned) in enumerate(group):
             rows = [[int(s) for s in row] for row in planned]
-            arrays = self._allocate([sum(self._clipped_length(s) for s in row) for row in rows])
+            arrays = self._buffers.take([sum(self._clipped_length(s) for s in row) for row in rows])
             for b, row in enumerate(rows):
                 cursor = 0
                 for s in row:
@@ -429,8 +286,7 @@ class StreamingLoader:
         return batches, reads
 
     def _read_into(self, sample: int, length: int, out: dict[str, np.ndarray]) -> None:
-        shard_id = self._catalog.shard_ids[int(self._catalog.shard_of[sample])]
-        offset = int(self._catalog.token_offset[sample])
+        shard_id, offset = self._catalog.locate(sample)
         if not self._decoded_here:
             self.store.read_token_range(shard_id, offset, offset + length, self.features, out=out)
             return
@@ -453,30 +309,6 @@ class StreamingLoader:
             bf16 = torch.from_numpy(out[name].view(np.int16)).view(torch.bfloat16)
             raw = {key: targets[key] for key in spec.array_names()}
             codecs.decode_torch(spec, raw, out=bf16, threads=1)
-
-    def _columns(self, shard: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(input_ids values, offsets, loss_mask values, offsets) of a shard's Arrow table."""
-        with self._columns_lock:
-            cached = self._catalog.columns.get(shard)
-        if cached is not None:
-            return cached
-        table = self.store.shard_samples(self._catalog.shard_ids[shard])
-        ids = table.column("input_ids").combine_chunks()
-        mask = table.column("loss_mask").combine_chunks()
-        columns = (
-            ids.values.to_numpy(zero_copy_only=False),
-            ids.offsets.to_numpy(),
-            mask.values.to_numpy(zero_copy_only=False),
-            mask.offsets.to_numpy(),
-        )
-        with self._columns_lock:
-            self._catalog.columns[shard] = columns
-        return columns
-
-    def _sample_tokens(self, sample: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-        ids, ids_off, mask, mask_off = self._columns(int(self._catalog.shard_of[sample]))
-        row = int(self._catalog.row_of[sample])
-        return ids[ids_off[row] : ids_off[row] + length], mask[mask_off[row] : mask_off[row] + length]
 
     def _finish_group(self, batches: list[_PlannedBatch], reads: list[_Read]) -> list[HostBatch]:
         """Wait for the group's reads and complete its batches (token columns, document layout)."""
@@ -511,7 +343,7 @@ class StreamingLoader:
                 cursor = 0
                 for s in row:
                     length = self._clipped_length(s)
-                    ids, mask = self._sample_tokens(s, length)
+                    ids, mask = self._catalog.sample_tokens(s, length)
                     input_ids[b, cursor : cursor + length] = ids
                     loss_mask[b, cursor : cursor + length] = mask
                     cursor += length
@@ -527,6 +359,7 @@ class StreamingLoader:
                     doc_lengths=layout.doc_lengths,
                     sample_indices=rows,
                     features=arrays,
+                    _release=self._buffers.releaser(arrays),
                     num_real_tokens=layout.num_real_tokens,
                     num_skipped_samples=num_planned - sum(len(row) for row in rows),
                     # The group's read time is reported once, on its first batch.
@@ -541,7 +374,7 @@ class StreamingLoader:
     ) -> tuple[list[list[int]], dict[str, np.ndarray]]:
         """The batch with the unreadable samples taken out: the rest move up within their row."""
         kept = [[s for s in row if s not in skipped] for row in rows]
-        packed = self._allocate([sum(self._clipped_length(s) for s in row) for row in kept])
+        packed = self._buffers.take([sum(self._clipped_length(s) for s in row) for row in kept])
         for b, row in enumerate(rows):
             source = target = 0
             for s in row:
@@ -551,10 +384,12 @@ class StreamingLoader:
                         packed[key][b, target : target + length] = array[b, source : source + length]
                     target += length
                 source += length
+        self._buffers.give_back(arrays)  # nobody else has seen the unpacked batch
         return kept, packed
 
 
 __all__ = [
+    "BatchPosition",
     "HostBatch",
     "LoaderError",
     "LoaderState",

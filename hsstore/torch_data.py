@@ -52,11 +52,21 @@ class DeviceBatch:
 
 
 def to_device(
-    batch: HostBatch, specs: dict[str, FeatureSpec], device: str | torch.device, *, pin_memory: bool = False
+    batch: HostBatch,
+    specs: dict[str, FeatureSpec],
+    device: str | torch.device,
+    *,
+    pin_memory: bool = False,
+    release: bool | None = None,
 ) -> DeviceBatch:
     """Move a host batch to ``device`` and decode its features there (hsstore.codecs.decode_torch).
 
     Arrays may already be torch tensors (a DataLoader worker converts them to share memory).
+
+    ``release`` (default: whether ``device`` is not the CPU) gives the host batch's buffers back to
+    the loader once they are copied (:meth:`HostBatch.release`; ``batch.features`` is emptied). On
+    a CPU the device batch shares the host buffers, so the default keeps them: call
+    ``batch.release()`` once the device batch is no longer used.
     """
 
     def tensor(array: Any) -> torch.Tensor:
@@ -69,6 +79,14 @@ def to_device(
     for name, spec in specs.items():
         raw = {key: tensor(batch.features[key]) for key in spec.array_names()}
         features[name] = codecs.decode_torch(spec, raw, name, device=device)
+    on_cpu = torch.device(device).type == "cpu"
+    if release if release is not None else not on_cpu:
+        if on_cpu:
+            # The decoded tensors may be views of the host buffers: copy before giving them back.
+            features = {name: value.clone() for name, value in features.items()}
+        # Otherwise the buffers were read already: a copy from pageable memory returns once CUDA has
+        # staged the bytes, and with pin_memory the (synchronous) pinning copy read them.
+        batch.release()
     return DeviceBatch(
         epoch=batch.epoch,
         index=batch.index,
@@ -88,18 +106,21 @@ def to_device(
 
 
 def _host_batch_to_torch(batch: HostBatch) -> HostBatch:
-    """Numpy arrays to CPU tensors, so that a DataLoader worker hands them over in shared memory
-    instead of pickling them through a pipe."""
+    """Numpy arrays to CPU tensors in shared memory, so that a DataLoader worker hands them over
+    without pickling them through a pipe. Moving them there is the one copy torch would make when
+    sending them anyway; it frees the loader's buffers at once, so they are released here."""
 
     def conv(a: np.ndarray) -> Any:
-        return torch.from_numpy(np.ascontiguousarray(a))
+        return torch.from_numpy(np.ascontiguousarray(a)).share_memory_()
 
     batch.input_ids = conv(batch.input_ids)
     batch.loss_mask = conv(batch.loss_mask)
     batch.position_ids = conv(batch.position_ids)
     batch.doc_ids = conv(batch.doc_ids)
     batch.doc_remaining = conv(batch.doc_remaining)
-    batch.features = {key: conv(value) for key, value in batch.features.items()}
+    features = {key: conv(value) for key, value in batch.features.items()}
+    batch.release()
+    batch.features = features
     return batch
 
 

@@ -80,3 +80,9 @@ def test_the_cycle_finder_finds_cycles() -> None:
 def test_import_hsstore_stays_light() -> None:
     code = "import sys, hsstore; bad = {'torch', 'ray', 'transformers'} & set(sys.modules); assert not bad, bad"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_no_module_of_hsstore_is_long() -> None:
+    """One concept per module: ~400 lines at most (issue 14's bound, with a little slack)."""
+    lengths = {str(path.relative_to(PACKAGE)): len(path.read_text().splitlines()) for path in PACKAGE.rglob("*.py")}
+    assert {name: n for name, n in lengths.items() if n > 420} == {}

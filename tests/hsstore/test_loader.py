@@ -180,15 +180,16 @@ def test_decode_on_host_gives_the_same_batches_as_bf16_bits(store_url: str) -> N
 
 
 def test_batch_buffers_are_recycled_only_once_released(store_url: str) -> None:
-    """Buffers come back only when nothing refers to them: batches a consumer keeps are never
-    overwritten, dropped ones are reused, and a reused buffer's padding is zero again."""
-    kept = list(make_loader(store_url).batches(max_epochs=2))  # every batch held: no reuse possible
+    """Buffers come back only when a batch is released: batches a consumer keeps are never
+    overwritten, released ones are reused, and a reused buffer's padding is zero again."""
+    keeper = make_loader(store_url)
+    kept = list(keeper.batches(max_epochs=2))  # none released: no reuse possible
     pointers = {h.features["aux_hidden_states"].ctypes.data for h in kept}
-    assert len(pointers) == len(kept)
-    dropped = make_loader(store_url)
+    assert len(pointers) == len(kept) == keeper._buffers.num_allocated
+    releasing = make_loader(store_url)
     seen: set[int] = set()
     reused = 0
-    for reference, host in zip(kept, dropped.batches(max_epochs=2), strict=True):
+    for reference, host in zip(kept, releasing.batches(max_epochs=2), strict=True):
         pointer = host.features["aux_hidden_states"].ctypes.data
         reused += pointer in seen
         seen.add(pointer)
@@ -196,8 +197,32 @@ def test_batch_buffers_are_recycled_only_once_released(store_url: str) -> None:
             np.testing.assert_array_equal(array, reference.features[key])  # padding zero included
         real = host.doc_ids >= 0
         assert (host.features["aux_hidden_states"][~real] == 0).all()
-        del host  # the consumer lets go: the next batches may reuse these buffers
+        host.release()
+        assert host.features == {}  # a use after release fails instead of reading another batch
+        host.release()  # twice is harmless
     assert reused > 0
+    assert releasing._buffers.num_allocated < len(kept)
+
+
+def test_to_device_releases_only_what_it_no_longer_shares(store_url: str) -> None:
+    """On a CPU the device batch shares the host buffers: kept unless asked; with release=True
+    the decoded tensors are copies that later batches cannot overwrite."""
+    import torch
+
+    reference = [to_device(h, make_loader(store_url).specs, "cpu") for h in make_loader(store_url).batches(max_epochs=1)]
+    loader = make_loader(store_url)
+    device_batches = []
+    for host in loader.batches(max_epochs=1):
+        device_batches.append(to_device(host, loader.specs, "cpu", release=True))
+        assert host.features == {}
+    assert loader._buffers.num_allocated < len(device_batches)
+    for ours, theirs in zip(device_batches, reference, strict=True):
+        for name in FEATURES:
+            assert torch.equal(ours.features[name], theirs.features[name])
+    loader = make_loader(store_url)
+    host = next(iter(loader.batches(max_epochs=1)))
+    to_device(host, loader.specs, "cpu")
+    assert set(host.features) >= set(FEATURES)  # the CPU default keeps the shared buffers
 
 
 def test_batches_hold_the_stored_samples_decoded(store_url: str) -> None:
@@ -324,6 +349,27 @@ def test_corrupt_shard_stops_or_is_skipped_and_counted(tmp_path: Path) -> None:
     batches = list(loader.batches(max_epochs=1))
     assert loader.num_skipped_samples > 0
     assert sum(h.num_skipped_samples for h in batches) == loader.num_skipped_samples
+
+
+def test_skip_corrupt_does_not_swallow_a_bug(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only damage found in the files is skippable: a plain error in the read path (here a
+    TypeError from the reader) stops the loader as itself, with skip_corrupt too."""
+    from hsstore.format.array_reader import ArrayReader
+
+    url = str(tmp_path / "store")
+    write_store(url, LENGTHS[:6], shard_max_tokens=300)
+
+    def broken_read(self: ArrayReader, start: int, stop: int, out: object = None) -> None:
+        raise TypeError("a bug, not corruption")
+
+    monkeypatch.setattr(ArrayReader, "read", broken_read)
+    loader = make_loader(url, skip_corrupt=True)
+    with pytest.raises(TypeError, match="a bug, not corruption"):
+        list(loader.batches(max_epochs=1))
+    assert loader.num_skipped_samples == 0
+    store = hsstore.open_store(url)
+    with pytest.raises(TypeError, match="a bug, not corruption"):
+        store.read_sample(0)
 
 
 def test_import_does_not_pull_torch() -> None:
