@@ -3,15 +3,22 @@
 #   bash benchmarks/gpu_session.sh setup-and-extract   # reference store + trained draft + bench_extract
 #   bash benchmarks/gpu_session.sh write-extract-train # shard writes, bench_extract, bench_train
 #   DRAFT=... bash benchmarks/gpu_session.sh evaluate  # bench_evaluate + GPU tests
-# Expects wheels for the packages the GPU image lacks in .whl/ (zarr, numcodecs, pydantic, ...)
-# and the training data gzipped at .bench/draft_train.jsonl.gz (../shared does not travel).
-# Ray is not on the GPU image: extraction runs the same worker code in process (executor=local).
+#   bash benchmarks/gpu_session.sh extract-ray         # issue 13 + 16.3 on nvidia-h200-x2 (~8 min)
+# The first three expect wheels for the packages the GPU image lacks in .whl/ (zarr, numcodecs,
+# pydantic, ...) and the training data gzipped at .bench/draft_train.jsonl.gz (../shared does not
+# travel); they run extraction in process (executor=local). extract-ray uses the .gpu/ bundle
+# (../shared/gpu/make-bundle.sh: Ray, zarr, pydantic, ...) and runs extraction through Ray; it needs
+# neither examples/reference-target nor .bench/ (it builds its 8B-shape model and data on the box).
 set -uo pipefail
 stage=${1:?stage}
 OUT=${OUT:-/tmp/hsstore-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+if [ "$stage" = extract-ray ]; then
+  bash .gpu/setup.sh || exit 1
+else
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+fi
 export PYTHONPATH=/tmp/site:$PWD
 WORK=/tmp/hsstore-work
 mkdir -p "$WORK"
@@ -41,6 +48,14 @@ evaluate)
   python3 benchmarks/bench_evaluate.py --draft "${DRAFT:?}" --device cuda --prompts "${PROMPTS:-examples/data/eval_prompts.jsonl}" \
       ${EVAL_ARGS:-} --out "$OUT/bench_evaluate_h200.json" 2>&1 | tail -n 30
   python3 -m pytest -q -m gpu tests 2>&1 | tail -n 5
+  ;;
+extract-ray)
+  # Bare forward vs `hsstore extract` through Ray (1 and 2 actors, bf16 and fp8) and the Qwen3-8B
+  # shape split over 2 GPUs by one actor; writes $OUT/extract-h200.json and $OUT/split-target.json.
+  # EXTRACT_RAY_ARGS="--tokens 1000000" shortens it (default 1.6M tokens, ~7-8 min on 2 H200s).
+  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c 'import torch, transformers, sys; print(sys.version.split()[0], torch.__version__, transformers.__version__)'; nproc; df -h /tmp | tail -n 1; } | tee "$OUT/machine.txt"
+  timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/hsstore/test_codecs_encode_torch.py tests/pipelines/extract/test_sink.py tests/pipelines/extract/test_placement.py 2>&1 | tail -n 4 | tee "$OUT/gpu-tests.txt"
+  python3 benchmarks/bench_extract_ray.py run --out "$OUT" --work /tmp/hsstore-work/extract-ray ${EXTRACT_RAY_ARGS:-} 2>&1 | tail -n 40
   ;;
 *) echo "unknown stage $stage"; exit 2 ;;
 esac

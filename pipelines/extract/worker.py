@@ -212,6 +212,8 @@ class ExtractionWorker:
             MAX_PENDING_BATCHES + 2,
             pin=self.device.type == "cuda",
         )
+        if self.device.type == "cuda":
+            self.host_buffers.preallocate()
         self.capture = HiddenStateCapture(
             self.model,
             spec.aux_layer_ids,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +11,6 @@ import torch
 from pipelines.extract.batching import Batch, collate
 from pipelines.extract.capture import HiddenStateCapture
 from pipelines.extract.placement import move_to, split_across_devices
-from pipelines.extract.worker import load_target
 
 
 def batch_features(model: torch.nn.Module, output_device: str, topk: bool = False) -> dict[str, torch.Tensor]:
@@ -31,9 +29,22 @@ def test_move_to_reaches_nested_tensors() -> None:
     assert moved["a"][0].device.type == "meta" and moved["a"][1][0].device.type == "meta" and moved["b"] == 3
 
 
-def test_split_over_two_host_devices_changes_nothing(tiny_qwen3: Path) -> None:
+def tiny_qwen3_model() -> torch.nn.Module:
+    """A random 4-layer Qwen3 in memory (no files: the GPU box runs this without the repo's models)."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(20.0)
+    return model.eval()
+
+
+def test_split_over_two_host_devices_changes_nothing() -> None:
     """The hooks and the placement rule, on the CPU (two 'devices' that are the same one)."""
-    model = load_target(str(tiny_qwen3), dtype="float32")
+    model = tiny_qwen3_model()
     whole = batch_features(model, "cpu", topk=True)
     split = copy.deepcopy(model)
     placement = split_across_devices(split, ["cpu", "cpu"])
@@ -46,11 +57,11 @@ def test_split_over_two_host_devices_changes_nothing(tiny_qwen3: Path) -> None:
 
 
 @pytest.mark.gpu
-def test_split_over_two_gpus_matches_one(tiny_qwen3: Path) -> None:
+def test_split_over_two_gpus_matches_one() -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    one = load_target(str(tiny_qwen3), dtype="float32", device="cuda:0")
-    split = load_target(str(tiny_qwen3), dtype="float32", device="cpu")
+    one = tiny_qwen3_model().to("cuda:0")
+    split = tiny_qwen3_model()
     placement = split_across_devices(split, ["cuda:0", "cuda:1"])
     assert placement.layer_devices == (torch.device("cuda:0"),) * 2 + (torch.device("cuda:1"),) * 2
     assert split.model.norm.weight.device == torch.device("cuda:1")

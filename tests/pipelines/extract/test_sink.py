@@ -116,3 +116,12 @@ def test_gpu_sink_encodes_on_the_device_and_stores_the_cpu_encoders_bits(tmp_pat
     got, want = stored_bits(tmp_path / "store"), expected_bits(batches)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name])
+
+
+def test_preallocated_sets_are_the_ones_handed_out() -> None:
+    pool = HostBufferPool(FEATURES, max_tokens=16, num_buffers=2, pin=False)
+    pool.preallocate()
+    pointers = set()
+    for _ in range(2):
+        pointers.add(pool.acquire(16)["final_hidden_state"].data_ptr())
+    assert len(pointers) == 2 and pool._allocated == 2

@@ -1,0 +1,441 @@
+"""Issue 13 / 16 on a GPU box: `hsstore extract` through Ray (1 and 2 actors, bf16 and fp8) and a
+target split over 2 GPUs, against a bare forward of the same model on the same batches.
+
+One command, one run (``run``), in steps that each start their own process so that every GPU run
+starts from a clean device:
+
+1. ``prepare``: the Qwen3-8B shape with random bf16 weights (benchmarks/bench_extract.py's
+   builder) saved as a model directory, with a word-level tokenizer (``t<id>`` is token ``id``, so
+   a record of N words is N tokens; checked) and text records of ``--min-length``..``--max-length`` tokens;
+2. a disk write test (``--disk-gib`` written and fsynced): the disk's GB/s;
+3. the split target: ``hsstore extract`` through Ray, one actor owning 2 GPUs
+   (``ray.num_gpus_per_worker=2``), over the first ``--split-records`` records;
+4. ``bare``: the model on one GPU, ``model.model(input_ids)`` with no mask over exactly the batches
+   the extraction plans (the same planning code: length-sorted windows, the same token budget),
+   warmed up on two batches first; and, on the split run's first batches, the features the
+   extraction worker's capture computes on one GPU against what the split store holds;
+5. ``hsstore extract`` through Ray: bf16 with 1 then 2 actors (one GPU each), the split store
+   compared with the 1-GPU store sample by sample (``compare``), then fp8_e4m3 (aux and final) with
+   1 and 2 actors. Each store is deleted after its run (an 8B bf16 store is 32 KiB per token).
+
+Tokens/s are the real (unpadded) tokens over the extraction's own timer (the summary's
+``extract_seconds``: from the first unit handed out to the last commit, actors already started and
+models loaded); the bare forward's are the same tokens over its forward time.
+
+    # GPU box (2 GPUs), from the repository root, after `bash .gpu/setup.sh`:
+    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/bench_extract_ray.py run --out $OUT
+    # CPU smoke (tiny model, in-process executor, no split):
+    python benchmarks/bench_extract_ray.py run --shape small --device cpu --executor local \\
+        --tokens 6000 --min-length 64 --max-length 256 --max-length-cap 512 --token-budget 1024 \\
+        --unit-tokens 2048 --disk-gib 0.01 --out /tmp/out
+
+Writes ``extract-h200.json`` (issue 13's keys) and ``split-target.json`` (issue 16's
+``split_target``) under ``--out`` and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+AUX_LAYER_IDS = {"qwen3-8b": [2, 18, 33], "small": [1, 2, 3]}
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# --- step 1: model, tokenizer, data --------------------------------------------------------------
+
+
+def prepare(args: argparse.Namespace) -> None:
+    import numpy as np
+    import torch
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    from bench_extract import build_model
+
+    work = Path(args.work)
+    model_dir = work / "target"
+    if not (model_dir / "config.json").exists():
+        device = torch.device(args.device)
+        model = build_model(args.shape, torch.bfloat16, device)
+        model.save_pretrained(model_dir)
+        vocab_size = model.config.vocab_size
+        del model
+        # Specials must not be words' prefixes: a special token is matched anywhere in the text.
+        vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{f"t{i}": i for i in range(3, vocab_size)}}
+        words = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+        words.pre_tokenizer = WhitespaceSplit()
+        PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="</s>", unk_token="<unk>").save_pretrained(model_dir)
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    from transformers import AutoTokenizer
+
+    probe = " ".join(f"t{i}" for i in (3, 100, 1000, vocab_size - 1))
+    if AutoTokenizer.from_pretrained(model_dir)(probe)["input_ids"] != [3, 100, 1000, vocab_size - 1]:
+        raise SystemExit(f"{model_dir}: the word-level tokenizer does not map t<id> to id")
+    rng = np.random.default_rng(0)
+    total = 0
+    with open(work / "records.jsonl", "w") as handle:
+        while total < args.tokens:
+            length = int(rng.integers(args.min_length, args.max_length + 1))
+            ids = rng.integers(3, vocab_size, length)
+            handle.write(json.dumps({"id": f"r{total}", "text": " ".join(f"t{i}" for i in ids)}) + "\n")
+            total += length
+    log(f"prepared {model_dir} and {total:,} tokens of records")
+    print(json.dumps({"num_tokens": total}))
+
+
+def disk_gb_per_s(directory: Path, gib: float) -> float:
+    """Write ``gib`` GiB in 64 MiB blocks and fsync: what the store's disk takes."""
+    path = directory / "disk-test.bin"
+    block = os.urandom(64 << 20)
+    count = max(1, int(gib * 16))
+    start = time.perf_counter()
+    with open(path, "wb") as handle:
+        for _ in range(count):
+            handle.write(block)
+        handle.flush()
+        os.fsync(handle.fileno())
+    seconds = time.perf_counter() - start
+    path.unlink()
+    return count * len(block) / seconds / 1e9
+
+
+# --- the recipe every extraction run uses ----------------------------------------------------------
+
+
+def write_recipe(args: argparse.Namespace, name: str, *, codec: str, workers: int, gpus_per_worker: int, limit: int | None) -> Path:
+    import yaml
+
+    work = Path(args.work)
+    recipe: dict[str, Any] = {
+        "target": str(work / "target"),
+        "data": [str(work / "records.jsonl")],
+        "store": str(work / "stores" / name),
+        "limit": limit,
+        "executor": args.executor,
+        "model": {"dtype": "bfloat16", "device": "auto" if args.device == "cuda" else "cpu"},
+        "capture": {"aux_layer_ids": AUX_LAYER_IDS[args.shape]},
+        "codecs": {
+            "aux_hidden_states": {"codec": codec},
+            "final_hidden_state": {"codec": codec},
+        },
+        # Issue 13's settings; everything else (the attention mask, the sort windows) the defaults.
+        "batching": {"max_length": args.max_length_cap, "token_budget": args.token_budget},
+        "units": {"max_tokens": args.unit_tokens},
+        "ray": {"num_workers": workers, "num_gpus_per_worker": gpus_per_worker, "num_cpus_per_worker": args.cpus_per_worker},
+    }
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def extract(args: argparse.Namespace, name: str, **settings: Any) -> dict[str, Any]:
+    recipe = write_recipe(args, name, **settings)
+    shutil.rmtree(Path(args.work) / "stores" / name, ignore_errors=True)
+    log(f"extract {name} ({settings})")
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", "extract", str(recipe), "--json", "--no-progress"],
+        cwd=REPO_ROOT, capture_output=True, text=True,
+    )
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr[-4000:])
+        raise SystemExit(f"extract {name} failed ({done.returncode})")
+    summary = json.loads(done.stdout[done.stdout.index("{"):])
+    summary["process_seconds"] = time.perf_counter() - start
+    summary["write_gb_per_s"] = summary["store_bytes"] / summary["extract_seconds"] / 1e9
+    log(f"  {summary['tokens_per_second']:,.0f} tok/s, padding {100 * summary['padding_waste']:.2f}%, "
+        f"writer busy {100 * summary['writer_busy_fraction']:.0f}%, {summary['write_gb_per_s']:.2f} GB/s written, "
+        f"{summary['process_seconds']:.0f} s in all")
+    return summary
+
+
+def step(args: argparse.Namespace, name: str, *extra: str) -> dict[str, Any]:
+    """Run a step of this script in its own process; it prints one JSON line last."""
+    command = [sys.executable, __file__, name, "--work", args.work, "--shape", args.shape, "--device", args.device,
+               "--token-budget", str(args.token_budget), "--unit-tokens", str(args.unit_tokens),
+               "--max-length-cap", str(args.max_length_cap), "--split-records", str(args.split_records),
+               "--compare-samples", str(args.compare_samples), *extra]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
+    sys.stderr.write(done.stderr[-3000:])
+    if done.returncode != 0:
+        raise SystemExit(f"step {name} failed ({done.returncode})")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# --- step 4: bare forward, and one-GPU features of the split run's first batches -----------------
+
+
+def planned_units(args: argparse.Namespace, limit: int | None) -> tuple[list[Any], int]:
+    """The units `hsstore extract` plans for these records (the driver's own functions)."""
+    from pipelines.extract.driver import make_sample_tokenizer
+    from pipelines.extract.plan import plan_units, read_samples
+    from pipelines.extract.recipe import ExtractRecipe
+    from pipelines.recipe import load_recipe
+
+    recipe = load_recipe(ExtractRecipe, str(write_recipe(args, "plan", codec="bf16", workers=1, gpus_per_worker=1, limit=limit)), [])
+    tokenizer = make_sample_tokenizer(recipe, recipe.target)
+    pad = tokenizer.tokenizer.pad_token_id
+    samples = read_samples(recipe, tokenizer).samples
+    units = plan_units(samples, recipe.units.max_tokens, recipe.units.max_samples, recipe.units.sort_window_tokens)
+    return units, int(pad if pad is not None else 0)
+
+
+def bare(args: argparse.Namespace) -> None:
+    import numpy as np
+    import torch
+
+    import hsstore
+    from pipelines.extract.batching import collate, padding_waste, plan_batches
+    from pipelines.extract.capture import HiddenStateCapture
+    from pipelines.extract.worker import load_target
+
+    device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
+    model = load_target(str(Path(args.work) / "target"), dtype="bfloat16", device=device)
+    units, pad = planned_units(args, None)
+    batches = [(unit, b) for unit in units for b in plan_batches([len(r.input_ids) for r in unit.rows], args.token_budget, pad_to_multiple_of=8)]
+
+    def forward(unit: Any, batch: Any) -> None:
+        input_ids, _ = collate([r.input_ids for r in unit.rows], batch, pad)
+        model.model(input_ids=torch.from_numpy(input_ids).to(device, non_blocking=True), use_cache=False)
+
+    with torch.inference_mode():
+        for unit, batch in batches[:2]:
+            forward(unit, batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for unit, batch in batches:
+            forward(unit, batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+    num_tokens = sum(b.num_tokens for _, b in batches)
+    result: dict[str, Any] = {
+        "bare_tokens_per_s": num_tokens / seconds,
+        "bare_seconds": seconds,
+        "num_tokens": num_tokens,
+        "num_batches": len(batches),
+        "padding_fraction": padding_waste([b for _, b in batches]),
+    }
+    split_store = Path(args.work) / "stores" / "split"
+    if (split_store / "manifest.json").exists():
+        # The split run's first unit, batch by batch as its worker ran it, on this one GPU.
+        split_units, _ = planned_units(args, args.split_records)
+        store = hsstore.open_store(str(split_store))
+        index_of = {sid: i for i, sid in enumerate(store.samples["sample_id"].to_pylist())}
+        unit = split_units[0]
+        worst, compared = 0.0, 0
+        with HiddenStateCapture(model, AUX_LAYER_IDS[args.shape], pass_attention_mask=False) as capture:
+            for batch in plan_batches([len(r.input_ids) for r in unit.rows], args.token_budget, pad_to_multiple_of=8):
+                if compared >= args.compare_samples:
+                    break
+                input_ids, mask = collate([r.input_ids for r in unit.rows], batch, pad)
+                valid = torch.from_numpy(np.flatnonzero(mask.reshape(-1))).to(device)
+                features = capture(torch.from_numpy(input_ids).to(device), torch.from_numpy(mask).to(device), valid)
+                offset = 0
+                for i in batch.indices:
+                    row = unit.rows[i]
+                    stored = store.read_sample(index_of[row.sample_id])
+                    span = slice(offset, offset + len(row.input_ids))
+                    for name in ("aux_hidden_states", "final_hidden_state"):
+                        worst = max(worst, relative_error(stored[name], features[name][span].cpu()))
+                    offset += len(row.input_ids)
+                    compared += 1
+        result["split_max_rel_err_same_batches"] = worst
+        result["split_samples_compared"] = compared
+    log(f"bare: {result['bare_tokens_per_s']:,.0f} tok/s over {num_tokens:,} tokens, padding {100 * result['padding_fraction']:.2f}%")
+    print(json.dumps(result))
+
+
+def relative_error(actual: Any, expected: Any) -> float:
+    """Largest per-token relative L2 error (tests/pipelines/extract/helpers.py's measure)."""
+    actual_TD = actual.float().reshape(actual.shape[0], -1)
+    expected_TD = expected.float().reshape(expected.shape[0], -1)
+    error_T = (actual_TD - expected_TD).norm(dim=-1) / expected_TD.norm(dim=-1).clamp_min(1e-6)
+    return float(error_T.max())
+
+
+def compare(args: argparse.Namespace) -> None:
+    """The split store against the 1-GPU store, sample by sample (the same sample ids; the two runs
+    batched them differently, so bf16 rounding differs a little as well)."""
+    import hsstore
+
+    stores = Path(args.work) / "stores"
+    split, one = hsstore.open_store(str(stores / "split")), hsstore.open_store(str(stores / "bf16-1"))
+    index_of = {sid: i for i, sid in enumerate(one.samples["sample_id"].to_pylist())}
+    worst, compared = 0.0, 0
+    for index, sample_id in enumerate(split.samples["sample_id"].to_pylist()[: args.compare_samples]):
+        a, b = split.read_sample(index), one.read_sample(index_of[sample_id])
+        for name in ("aux_hidden_states", "final_hidden_state"):
+            worst = max(worst, relative_error(a[name], b[name]))
+        compared += 1
+    log(f"split store vs 1-GPU store: max relative error {worst:.2e} over {compared} samples")
+    print(json.dumps({"split_max_rel_err_vs_store": worst, "split_store_samples_compared": compared}))
+
+
+# --- the whole session ------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    machine = machine_facts(args)
+    step(args, "prepare", "--tokens", str(args.tokens), "--min-length", str(args.min_length), "--max-length", str(args.max_length))
+    disk = disk_gb_per_s(work, args.disk_gib)
+    log(f"disk: {disk:.2f} GB/s written (fsync)")
+    runs: dict[str, dict[str, Any]] = {}
+    split = args.device == "cuda" and args.split_gpus > 1
+    if split:
+        runs["split"] = extract(args, "split", codec="bf16", workers=1, gpus_per_worker=args.split_gpus, limit=args.split_records)
+    bare_result = step(args, "bare")
+    one_gpu = 1 if args.device == "cuda" else 0
+    runs["bf16-1"] = extract(args, "bf16-1", codec="bf16", workers=1, gpus_per_worker=one_gpu, limit=None)
+    compared: dict[str, Any] = step(args, "compare") if split else {}
+    shutil.rmtree(work / "stores", ignore_errors=True)
+    plan = [("bf16-2", "bf16", 2), ("fp8-1", "fp8_e4m3", 1), ("fp8-2", "fp8_e4m3", 2)]
+    for name, codec, workers in plan:
+        if workers > args.gpus:
+            continue
+        runs[name] = extract(args, name, codec=codec, workers=workers, gpus_per_worker=one_gpu, limit=None)
+        shutil.rmtree(work / "stores", ignore_errors=True)
+
+    def tps(name: str) -> float | None:
+        return runs[name]["tokens_per_second"] if name in runs else None
+
+    results = {
+        "bare_tokens_per_s": bare_result["bare_tokens_per_s"],
+        "ray": {
+            "bf16": {"gpus_1": tps("bf16-1"), "gpus_2": tps("bf16-2")},
+            "fp8_e4m3": {"gpus_1": tps("fp8-1"), "gpus_2": tps("fp8-2")},
+        },
+        "padding_fraction": runs["bf16-1"]["padding_waste"],
+        "disk_gb_per_s": disk,
+        "per_gpu_vs_bare": {
+            name: runs[name]["tokens_per_second"] / (int(name[-1]) * bare_result["bare_tokens_per_s"])
+            for name in runs if name != "split"
+        },
+        "writer_busy_fraction": {name: r["writer_busy_fraction"] for name, r in runs.items()},
+        "write_gb_per_s": {name: r["write_gb_per_s"] for name, r in runs.items()},
+        "store_bytes_per_token": {name: r["bytes_per_token"] for name, r in runs.items()},
+        "num_tokens": runs["bf16-1"]["num_tokens_written"],
+        "bare": bare_result,
+        "runs": runs,
+        "settings": settings_of(args),
+        "machine": machine,
+        "command": " ".join([os.path.relpath(sys.argv[0], REPO_ROOT), *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
+        "wall_seconds": time.time() - started,
+    }
+    (out / "extract-h200.json").write_text(json.dumps(results, indent=2))
+    if split:
+        split_target = {
+            "split_target": {
+                "gpus": args.split_gpus,
+                "tokens_per_s": runs["split"]["tokens_per_second"],
+                "one_gpu_tokens_per_s": runs["bf16-1"]["tokens_per_second"],
+                "max_rel_err_vs_one_gpu": bare_result.get("split_max_rel_err_same_batches"),
+                "max_rel_err_vs_one_gpu_store": compared.get("split_max_rel_err_vs_store"),
+                "samples_compared": bare_result.get("split_samples_compared"),
+                "num_tokens": runs["split"]["num_tokens_written"],
+                "note": "max_rel_err_vs_one_gpu: the split store against the same batches' features "
+                "computed by the same capture code on one GPU; _store: against the 1-GPU bf16 store "
+                "(same samples, batched differently)",
+            },
+            "machine": machine,
+            "date": results["date"],
+        }
+        (out / "split-target.json").write_text(json.dumps(split_target, indent=2))
+    print(table(results, runs))
+
+
+def settings_of(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k not in ("func", "out", "work")}
+
+
+def machine_facts(args: argparse.Namespace) -> dict[str, Any]:
+    import platform
+
+    import torch
+    import transformers
+
+    facts: dict[str, Any] = {
+        "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "cpus": os.cpu_count(),
+    }
+    try:
+        import ray
+
+        facts["ray"] = ray.__version__
+    except ImportError:
+        pass
+    if args.device == "cuda":  # asked of nvidia-smi: this process keeps no CUDA context on the GPUs
+        query = ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]
+        facts["gpus"] = subprocess.run(query, capture_output=True, text=True).stdout.strip().splitlines()
+    return facts
+
+
+def table(results: dict[str, Any], runs: dict[str, dict[str, Any]]) -> str:
+    bare_tps = results["bare_tokens_per_s"]
+    lines = [
+        f"bare forward (no mask, same batches): {bare_tps:,.0f} tok/s; padding {100 * results['padding_fraction']:.2f}%; "
+        f"disk {results['disk_gb_per_s']:.2f} GB/s; {results['num_tokens']:,} tokens",
+        "| run | tokens/s | per GPU vs bare | writer busy | written GB/s |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, r in runs.items():
+        gpus = 1 if name == "split" else int(name[-1])
+        label = f"{name} (1 actor, {2} GPUs, {r['num_tokens_written']:,} tokens)" if name == "split" else name
+        lines.append(
+            f"| {label} | {r['tokens_per_second']:,.0f} | {r['tokens_per_second'] / gpus / bare_tps:.3f} | "
+            f"{100 * r['writer_busy_fraction']:.0f}% | {r['write_gb_per_s']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=["run", "prepare", "bare", "compare"])
+    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/hsstore-gpu-out"))
+    parser.add_argument("--work", default="/tmp/hsstore-work/extract-ray")
+    parser.add_argument("--shape", default="qwen3-8b", choices=sorted(AUX_LAYER_IDS))
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--executor", default="ray", choices=["ray", "local"])
+    parser.add_argument("--gpus", type=int, default=2, help="GPUs on the machine (runs with more actors are skipped)")
+    parser.add_argument("--split-gpus", type=int, default=2, help="GPUs of the split-target actor (1: no split run)")
+    parser.add_argument("--split-records", type=int, default=300, help="records the split run extracts")
+    parser.add_argument("--compare-samples", type=int, default=32, help="samples compared split vs one GPU")
+    parser.add_argument("--tokens", type=int, default=1_600_000)
+    parser.add_argument("--min-length", type=int, default=1024)
+    parser.add_argument("--max-length", type=int, default=2048)
+    parser.add_argument("--max-length-cap", type=int, default=4096, help="batching.max_length")
+    parser.add_argument("--token-budget", type=int, default=32768)
+    parser.add_argument("--unit-tokens", type=int, default=262144)
+    parser.add_argument("--cpus-per-worker", type=float, default=8)
+    parser.add_argument("--disk-gib", type=float, default=4.0)
+    args = parser.parse_args(argv)
+    {"run": run, "prepare": prepare, "bare": bare, "compare": compare}[args.command](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""benchmarks/bench_extract_ray.py runs end to end at a tiny size on the CPU (in-process executor,
+no split) and writes issue 13's keys; speeds are not checked (they live in benchmarks/RESULTS.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_tiny_cpu_run_writes_the_issue_keys(tmp_path: Path) -> None:
+    command = [
+        sys.executable, "benchmarks/bench_extract_ray.py", "run", "--shape", "small", "--device", "cpu",
+        "--executor", "local", "--gpus", "1", "--tokens", "1500", "--min-length", "64", "--max-length", "200",
+        "--max-length-cap", "256", "--token-budget", "512", "--unit-tokens", "1024", "--disk-gib", "0.005",
+        "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((tmp_path / "out" / "extract-h200.json").read_text())
+    assert results["bare_tokens_per_s"] > 0 and results["disk_gb_per_s"] > 0
+    assert results["ray"]["bf16"]["gpus_1"] > 0 and results["ray"]["fp8_e4m3"]["gpus_1"] > 0
+    assert results["ray"]["bf16"]["gpus_2"] is None  # not run: --gpus 1
+    assert results["num_tokens"] == results["bare"]["num_tokens"]  # the same batches, both sides
+    assert 0 <= results["padding_fraction"] < 0.5
+    assert "| bf16-1 |" in done.stdout and "| fp8-1 |" in done.stdout
