@@ -139,6 +139,16 @@ class TrainRecipe(RecipeModel):
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     loader: LoaderConfig = Field(default_factory=LoaderConfig)
     bf16: bool = Field(default=True, description="bf16 autocast for the draft's matmuls (CUDA only)")
+    grad_accum_steps: int = Field(
+        default=1, gt=0, description="micro-batches per optimizer step (each rank's batch = rows_per_batch rows)"
+    )
+    attention: Literal["auto", "flex", "eager"] = Field(
+        default="auto",
+        description="TTT attention: fused block-sparse flex_attention (auto on CUDA) or the eager dense-mask reference",
+    )
+    compile: Literal["auto", "on", "off"] = Field(
+        default="auto", description="torch.compile the draft's norms/MLP and the loss kernel (auto: on CUDA only)"
+    )
     seed: int = Field(default=0, ge=0, description="model init and the loader's order")
     checkpoint_every: int | None = Field(default=None, gt=0, description="steps between checkpoints")
     keep_checkpoints: int | None = Field(default=None, gt=0, description="keep the newest N step_* dirs")

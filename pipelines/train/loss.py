@@ -8,14 +8,15 @@ every scored position for the backward pass: at T = 8,192 positions and a 32k dr
 ``linear_soft_cross_entropy`` instead walks the positions in chunks and, for each chunk, computes
 the logits (one matmul in the compute dtype, e.g. bf16 with float32 accumulation), the float32
 softmax, the loss and the loss's gradient with respect to the logits (``softmax * sum(teacher) -
-teacher``), which it turns at once into the gradients of ``x`` (``[n, H]``) and of ``W``
-(accumulated in float32). Only those two gradients survive the forward pass; the backward pass
-scales them by the incoming gradient. The teacher's probabilities are produced chunk by chunk too
+teacher``, stored in the compute dtype), then turns those into the gradients of ``x`` (``[N, H]``)
+and of ``W`` with one matmul each. Only those two gradients survive the forward pass; the backward
+pass scales them by the incoming gradient. The teacher's probabilities are produced chunk by chunk too
 (``pipelines.train.teacher``), so no ``[positions, vocabulary]`` tensor is ever whole.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Protocol
 
 import torch
@@ -40,6 +41,49 @@ def compute_dtype_for(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def _soft_ce_from_probs(
+    logits: torch.Tensor, target: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk: ``(ce_sum, correct, d ce / d logits)``; ``target`` holds probabilities whose
+    rows sum to 1 (or 0 for a row the teacher leaves out)."""
+    loss_dtype = torch.promote_types(logits.dtype, torch.float32)
+    logits32, target = logits.to(loss_dtype), target.to(loss_dtype)
+    log_z = torch.logsumexp(logits32, dim=-1, keepdim=True)
+    # -sum_v t_v (l_v - log Z) = sum(t) log Z - t . l
+    t_sum = target.sum(-1, keepdim=True)
+    ce_sum = (t_sum * log_z).sum() - (target * logits32).sum()
+    correct = (logits32.argmax(-1) == target.argmax(-1)).sum()
+    grad = (torch.exp(logits32 - log_z) * t_sum - target).to(logits.dtype)
+    return ce_sum, correct, grad
+
+
+def _soft_ce_from_logits(
+    logits: torch.Tensor, teacher_logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk against a teacher given as logits (its softmax is the distribution)."""
+    loss_dtype = torch.promote_types(logits.dtype, torch.float32)
+    return _soft_ce_from_probs(logits, torch.softmax(teacher_logits.to(loss_dtype), dim=-1))
+
+
+_FUSED: dict[str, Any] = {}
+
+
+def _chunk_kernel(teacher_gives_logits: bool, device: torch.device, compiled: bool | None) -> Any:
+    """The per-chunk function, ``torch.compile``d on CUDA: inductor fuses the dozen passes over
+    each ``[chunk, V]`` block (casts, logsumexp, the teacher's softmax, the dot product, both
+    argmaxes, the gradient) into a few row-wise kernels. Eager elsewhere (the CPU CI has no
+    compiler toolchain to rely on) or when ``HSSTORE_COMPILE=0``; ``compiled`` forces either."""
+    fn = _soft_ce_from_logits if teacher_gives_logits else _soft_ce_from_probs
+    if compiled is None:
+        compiled = device.type == "cuda" and os.environ.get("HSSTORE_COMPILE", "1") != "0"
+    if not compiled:
+        return fn
+    key = fn.__name__
+    if key not in _FUSED:
+        _FUSED[key] = torch.compile(fn, dynamic=None)
+    return _FUSED[key]
+
+
 class _LinearSoftCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -50,27 +94,31 @@ class _LinearSoftCrossEntropy(torch.autograd.Function):
         teacher_rows_N: torch.Tensor,
         compute_dtype: torch.dtype,
         chunk: int,
+        compiled: bool | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         loss_dtype = torch.promote_types(compute_dtype, torch.float32)
         w = weight_VH.detach().to(compute_dtype)
-        N = x_NH.shape[0]
-        ce_sum = torch.zeros((), dtype=loss_dtype, device=x_NH.device)
-        correct = torch.zeros((), dtype=torch.int64, device=x_NH.device)
-        grad_x = torch.empty(x_NH.shape, dtype=compute_dtype, device=x_NH.device)
-        grad_w = torch.zeros(weight_VH.shape, dtype=loss_dtype, device=x_NH.device)
+        x = x_NH.detach().to(compute_dtype)
+        N, V = x.shape[0], w.shape[0]
+        teacher_logits = getattr(teacher, "logits", None)
+        kernel = _chunk_kernel(teacher_logits is not None, x.device, compiled)
+        ce_sum = torch.zeros((), dtype=loss_dtype, device=x.device)
+        correct = torch.zeros((), dtype=torch.int64, device=x.device)
+        grad_logits = torch.empty((N, V), dtype=compute_dtype, device=x.device)
         for start in range(0, N, chunk):
-            x_c = x_NH[start : start + chunk].detach().to(compute_dtype)
-            logits = (x_c @ w.T).to(loss_dtype)
-            target = teacher.probs(teacher_rows_N[start : start + chunk], loss_dtype)
-            log_z = torch.logsumexp(logits, dim=-1, keepdim=True)
-            # -sum_v t_v (l_v - log Z) = sum(t) log Z - t . l   (rows of t sum to 1 or 0)
-            t_sum = target.sum(-1, keepdim=True)
-            ce_sum += (t_sum * log_z).sum() - (target * logits).sum()
-            correct += (logits.argmax(-1) == target.argmax(-1)).sum()
-            # d CE / d logits = softmax * sum(t) - t, reusing the logits' storage.
-            grad_logits = logits.sub_(log_z).exp_().mul_(t_sum).sub_(target).to(compute_dtype)
-            grad_x[start : start + chunk] = grad_logits @ w
-            grad_w += (grad_logits.T @ x_c).to(loss_dtype)
+            rows = teacher_rows_N[start : start + chunk]
+            logits = x[start : start + chunk] @ w.T
+            if teacher_logits is not None:
+                chunk_out = kernel(logits, teacher_logits(rows, compute_dtype))
+            else:
+                chunk_out = kernel(logits, teacher.probs(rows, loss_dtype))
+            ce_sum += chunk_out[0]
+            correct += chunk_out[1]
+            grad_logits[start : start + chunk] = chunk_out[2]
+        # One matmul each over every scored position (bf16 in, float32 accumulation, like the
+        # autocast matmul they replace); the [N, V] gradient lives only until here.
+        grad_x = grad_logits @ w
+        grad_w = grad_logits.T @ x
         ctx.save_for_backward(grad_x, grad_w)
         ctx.dtypes = (x_NH.dtype, weight_VH.dtype)
         ctx.mark_non_differentiable(correct)
@@ -82,7 +130,7 @@ class _LinearSoftCrossEntropy(torch.autograd.Function):
         x_dtype, w_dtype = ctx.dtypes
         gx = (grad_x * grad_ce.to(grad_x.dtype)).to(x_dtype) if ctx.needs_input_grad[0] else None
         gw = (grad_w * grad_ce.to(grad_w.dtype)).to(w_dtype) if ctx.needs_input_grad[1] else None
-        return gx, gw, None, None, None, None
+        return gx, gw, None, None, None, None, None
 
 
 def linear_soft_cross_entropy(
@@ -91,15 +139,17 @@ def linear_soft_cross_entropy(
     teacher: TeacherRows,
     teacher_rows_N: torch.Tensor,
     chunk: int | None = None,
+    compiled: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ce_sum, correct)``: the summed soft cross-entropy of ``x @ weight^T`` against the teacher
     rows, and how many positions' argmax equals the teacher's (int64, no gradient).
 
     Differentiable in ``x`` and ``weight``; matmuls run in autocast's dtype when autocast is on
-    (else ``x``'s), softmax and the sums in at least float32."""
+    (else ``x``'s), softmax and the sums in at least float32. ``compiled``: fuse each chunk's
+    elementwise work with ``torch.compile`` (None: on CUDA unless ``HSSTORE_COMPILE=0``)."""
     compute_dtype = compute_dtype_for(x_NH)
     if chunk is None:
         chunk = max(64, DEFAULT_CHUNK_ELEMENTS // max(1, weight_VH.shape[0]))
     return _LinearSoftCrossEntropy.apply(
-        x_NH, weight_VH, teacher, teacher_rows_N, compute_dtype, chunk
+        x_NH, weight_VH, teacher, teacher_rows_N, compute_dtype, chunk, compiled
     )

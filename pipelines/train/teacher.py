@@ -200,10 +200,13 @@ class FinalHiddenTeacherRows:
     def valid(self) -> torch.Tensor:
         return self.head.valid(self.hidden_NH)
 
-    def probs(self, rows_N: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def logits(self, rows_N: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The teacher's logits over the draft vocabulary (the loss fuses their softmax)."""
         weight = self.head.draft_rows_VH
-        logits = self.hidden_NH[rows_N].to(weight.dtype) @ weight.T
-        return torch.softmax(logits.to(dtype), dim=-1)
+        return (self.hidden_NH[rows_N].to(weight.dtype) @ weight.T).to(dtype)
+
+    def probs(self, rows_N: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return torch.softmax(self.logits(rows_N, dtype), dim=-1)
 
 
 def teacher_rows(

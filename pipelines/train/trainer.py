@@ -1,15 +1,18 @@
 """The training loop: stream packed batches from the store, fit the draft, checkpoint, resume.
 
 Reads top to bottom like nanoGPT's train.py: setup (distributed, store, lineage, target heads,
-draft vocabulary, draft, optimizer, loader), then one loop that does, per step: wait for a batch
-(timed: the data-wait fraction), decode it on the device, build the teacher, run the TTT unroll (or
-the candidate head's KL for stage 2), step AdamW with warmup+cosine and clipping, log, checkpoint.
+draft, objective, optimizer, loader), then one loop that does, per optimizer step and for each of
+``grad_accum_steps`` micro-batches: wait for a batch (timed: the data-wait fraction), move it to
+the device, run the objective (``pipelines.train.objective``: teacher + TTT unroll + loss, or the
+candidate head's KL for stage 2) and backpropagate; then clip, step AdamW with warmup+cosine,
+log, checkpoint.
 
 DDP: ``torchrun --nproc_per_node N -m pipelines.cli train RECIPE`` (gloo on CPU, NCCL on GPU).
-The draft is not wrapped in DistributedDataParallel because the TTT unroll calls several of its
-methods, not one ``forward``; gradients are summed across ranks by hand after backward instead.
-The loss is normalised by the *global* count of scored positions at each depth, so N ranks compute
-exactly the gradient of one rank seeing all N batches.
+The objective is an ``nn.Module`` wrapped in ``DistributedDataParallel`` (bucketed all-reduce
+overlapped with backward). Each micro-batch's loss is normalised by the *global* count of scored
+positions at each depth (one small all-reduce before backward), so N ranks compute exactly the
+gradient of one rank seeing all N batches. The loop keeps its statistics on the device and syncs
+with the host only at log steps.
 """
 
 from __future__ import annotations
@@ -17,12 +20,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import signal
 import threading
-import time
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ import torch
 
 import hsstore
 from hsstore.loader import LoaderState, StreamingLoader
-from hsstore.torch_data import DeviceBatch, WaitTimer, to_device
+from hsstore.torch_data import WaitTimer, to_device
 from pipelines.models.checkpoint import (
     init_from_pretrained,
     load_draft,
@@ -40,12 +40,20 @@ from pipelines.models.checkpoint import (
 from pipelines.models.eagle3 import Eagle3Config, Eagle3Draft
 from pipelines.recipe import dump_recipe
 from pipelines.train import checkpoint as ckpt
-from pipelines.train.candidate import attach_candidate_head, candidate_step_loss
+from pipelines.train.candidate import attach_candidate_head
 from pipelines.train.config import TrainRecipe
+from pipelines.train.distributed import (  # noqa: F401  (re-exported: earlier import path)
+    Distributed,
+    all_reduce_,
+    no_sync_unless,
+    setup_distributed,
+    wrap_ddp,
+)
 from pipelines.train.lineage_check import TEACHER_FEATURES, check_lineage, choose_teacher
+from pipelines.train.metrics import MetricsWindow, append_record, summary_text
+from pipelines.train.objective import AUX, CandidateObjective, DraftObjective, objective_loss
 from pipelines.train.target_heads import TargetHeads, load_target_heads
-from pipelines.train.teacher import build_teacher
-from pipelines.train.ttt import ttt_forward, ttt_step_masks, ttt_unroll
+from pipelines.train.teacher import FINAL_HIDDEN, TeacherHead
 from pipelines.train.vocab import (
     DraftVocab,
     calibrate_vocab,
@@ -55,60 +63,9 @@ from pipelines.train.vocab import (
 )
 
 logger = logging.getLogger(__name__)
-AUX = "aux_hidden_states"
 
 
 # -- setup helpers ---------------------------------------------------------------------------
-
-
-@dataclass
-class Distributed:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    owns_group: bool = False  # we initialised the process group, so we tear it down
-    device: torch.device = torch.device("cpu")  # where collectives run (NCCL needs CUDA tensors)
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def setup_distributed(device_pref: str) -> tuple[Distributed, torch.device]:
-    """torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK) -> process group and device."""
-    import torch.distributed as dist
-
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = device_pref.startswith("cuda") or (device_pref == "auto" and torch.cuda.is_available())
-    if use_cuda:
-        index = int(device_pref.split(":")[1]) if ":" in device_pref else local_rank
-        device = torch.device("cuda", index)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    owns = False
-    if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-        owns = True
-    if dist.is_initialized():
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-    return Distributed(rank, world_size, local_rank, owns, device), device
-
-
-def all_reduce_(tensor: torch.Tensor, dist_state: Distributed) -> torch.Tensor:
-    """Sum ``tensor`` over ranks in place (a no-op on one process)."""
-    if dist_state.world_size > 1:
-        import torch.distributed as dist
-
-        if tensor.device != dist_state.device:
-            on_device = tensor.to(dist_state.device)
-            dist.all_reduce(on_device)
-            tensor.copy_(on_device)
-        else:
-            dist.all_reduce(tensor)
-    return tensor
 
 
 def lr_at(step: int, total_steps: int, recipe: TrainRecipe) -> float:
@@ -174,6 +131,60 @@ def continued_draft_aux_ids(recipe: TrainRecipe) -> list[int] | None:
     return list(read_draft_config(resolve_draft_dir(path)).aux_layer_ids)
 
 
+# -- setup -----------------------------------------------------------------------------------
+
+
+def resume_or_build_draft(
+    recipe: TrainRecipe, store: hsstore.Store, heads: TargetHeads, output_dir: Path, resume_from: Path | None,
+    dist_state: Distributed, device: torch.device,
+) -> Eagle3Draft:
+    """The checkpoint's draft when resuming (stage 2: only its candidate head trains), else a new one."""
+    if resume_from is None:
+        draft = build_draft(recipe, store, heads, output_dir, dist_state.is_main)
+    else:
+        draft = load_draft(resume_from, device=device)
+        if recipe.stage == "candidate_head":
+            # The head's config (rank, K) came back with the checkpoint; only the head trains.
+            for param in draft.parameters():
+                param.requires_grad_(False)
+            assert draft.candidate_head is not None
+            for param in draft.candidate_head.parameters():
+                param.requires_grad_(True)
+    draft.embed_tokens.weight.requires_grad_(False)
+    return draft.to(device)
+
+
+def use_compile(recipe: TrainRecipe, device: torch.device) -> bool:
+    """``compile: auto`` compiles on CUDA only: the CPU CI has no compiler toolchain to rely on."""
+    return recipe.compile == "on" or (recipe.compile == "auto" and device.type == "cuda")
+
+
+def build_objective(
+    recipe: TrainRecipe, draft: Eagle3Draft, teacher_mode: str, heads: TargetHeads, device: torch.device
+) -> DraftObjective | CandidateObjective:
+    if recipe.stage == "candidate_head":
+        assert draft.config.num_candidates is not None
+        return CandidateObjective(draft, recipe.ttt_length, draft.config.num_candidates, recipe.attention)
+    head = TeacherHead(heads.lm_head_VH, draft.d2t, draft.t2d) if teacher_mode == FINAL_HIDDEN else None
+    return DraftObjective(
+        draft, teacher_mode, head, recipe.ttt_length, recipe.attention, compile=use_compile(recipe, device)
+    )
+
+
+def loader_arguments(recipe: TrainRecipe, dist_state: Distributed, device: torch.device) -> dict[str, Any]:
+    """The loader's keyword arguments, shared by the in-process loader and DataLoader workers."""
+    settings = recipe.loader
+    return dict(
+        token_budget=settings.token_budget, rows_per_batch=settings.rows_per_batch, seed=recipe.seed,
+        shuffle_window=settings.shuffle_window, rank=dist_state.rank, world_size=dist_state.world_size,
+        remainder=settings.remainder, long_samples=settings.long_samples, read_threads=settings.read_threads,
+        prefetch_batches=settings.prefetch_batches, skip_corrupt=recipe.skip_corrupt,
+        # Training on the CPU: fp8 features are decoded by the read threads, overlapping the step;
+        # a GPU decodes them for free and the host moves half the bytes.
+        decode_on_host=device.type == "cpu",
+    )
+
+
 class _Preemption:
     """SIGTERM/SIGINT set a flag; the loop checkpoints at the end of the step and returns."""
 
@@ -197,54 +208,12 @@ class _Preemption:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
-
-# -- one step ---------------------------------------------------------------------------------
-
-
-def train_step_draft(
-    draft: Eagle3Draft, batch: DeviceBatch, heads: TargetHeads, teacher_mode: str, recipe: TrainRecipe,
-    dist_state: Distributed, autocast: Any,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Stage 1: the TTT loss against the target's distribution over the draft vocabulary."""
-    with torch.no_grad():
-        teacher = build_teacher(teacher_mode, batch.features, d2t=draft.d2t, t2d=draft.t2d, lm_head_VH=heads.lm_head_VH)
-    with autocast:
-        out = ttt_forward(
-            draft, batch.features[AUX], batch.input_ids, batch.position_ids, batch.loss_mask,
-            teacher.probs_BTV, teacher.valid_BT, batch.doc_ids, recipe.ttt_length, recipe.loss_decay,
-        )
-    counts = all_reduce_(torch.stack(out.step_counts).to(torch.float64), dist_state)
-    loss = sum(
-        recipe.loss_decay**i * out.step_loss_sums[i] / counts[i].clamp(min=1).to(out.step_loss_sums[i].dtype)
-        for i in range(recipe.ttt_length)
-    )
-    stats = {
-        "loss": loss.detach().double(),
-        "correct": torch.stack(out.step_correct).double(),
-        "count": torch.stack(out.step_counts).double(),
-    }
-    return loss, stats  # type: ignore[return-value]
-
-
-def train_step_candidate(
-    draft: Eagle3Draft, batch: DeviceBatch, recipe: TrainRecipe, dist_state: Distributed, autocast: Any
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Stage 2: forward KL from the frozen full head to the low-rank head at every depth."""
-    with torch.no_grad(), autocast:
-        hidden = ttt_unroll(draft, batch.features[AUX], batch.input_ids, batch.position_ids, batch.doc_ids, recipe.ttt_length)
-    masks = ttt_step_masks(batch.loss_mask, batch.doc_remaining, None, recipe.ttt_length)
-    with autocast:
-        out = candidate_step_loss(draft, hidden, masks, recipe.candidate_head.num_candidates, recipe.loss_decay)
-    counts = all_reduce_(torch.stack(out.step_counts).to(torch.float64), dist_state)
-    weights = [recipe.loss_decay**i for i in range(recipe.ttt_length)]
-    loss = sum(w * out.step_kl_sums[i] / counts[i].clamp(min=1).float() for i, w in enumerate(weights)) / sum(weights)
-    stats = {
-        "loss": loss.detach().double(),
-        "correct": torch.stack(out.step_hits).double(),
-        "count": torch.stack(out.step_counts).double(),
-        "kl": torch.stack([k.detach() for k in out.step_kl_sums]).double(),
-    }
-    return loss, stats  # type: ignore[return-value]
+    def agreed(self, dist_state: Distributed) -> bool:
+        """Whether any rank was signalled (an all-reduce: called at log steps only on several ranks)."""
+        if dist_state.world_size == 1:
+            return self.requested
+        flag = torch.tensor([float(self.requested)], device=dist_state.device)
+        return bool(all_reduce_(flag, dist_state).item())
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -284,76 +253,45 @@ def _run(recipe: TrainRecipe, dist_state: Distributed, device: torch.device, sto
     logger.info("lineage ok: %s", lineage)
 
     # What of the target is needed: embed_tokens (draft input) and lm_head (the teacher).
-    heads_dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    heads = load_target_heads(recipe.target, dtype=heads_dtype).to(device)
-
+    heads = load_target_heads(recipe.target, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16).to(device)
     resume_from = ckpt.latest_checkpoint(ckpt_root) if recipe.resume else None
-    if resume_from is not None:
-        draft = load_draft(resume_from, device=device)
-        if recipe.stage == "candidate_head":
-            # The head's config (rank, K) came back with the checkpoint; only the head trains.
-            for param in draft.parameters():
-                param.requires_grad_(False)
-            assert draft.candidate_head is not None
-            for param in draft.candidate_head.parameters():
-                param.requires_grad_(True)
-        state = ckpt.read_state(resume_from)
-        logger.info("resuming from %s (step %d)", resume_from, state["step"])
-    else:
-        draft = build_draft(recipe, store, heads, output_dir, dist_state.is_main)
-        state = None
-    draft.embed_tokens.weight.requires_grad_(False)
-    draft = draft.to(device)
+    draft = resume_or_build_draft(recipe, store, heads, output_dir, resume_from, dist_state, device)
+    objective = build_objective(recipe, draft, teacher_mode, heads, device)
+    model = wrap_ddp(objective, dist_state)
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         params, lr=recipe.optimizer.lr, betas=recipe.optimizer.betas, eps=recipe.optimizer.eps,
-        weight_decay=recipe.optimizer.weight_decay,
+        weight_decay=recipe.optimizer.weight_decay, fused=device.type == "cuda",
     )
-    if resume_from is not None:
+    state = ckpt.read_state(resume_from) if resume_from is not None else None
+    if resume_from is not None and state is not None:
         ckpt.load_optimizer(optimizer, resume_from, device)
+        logger.info("resuming from %s (step %d)", resume_from, state["step"])
 
     # The loader: teacher features only for stage 1 (stage 2's teacher is the draft's own head).
     features = [AUX] + (list(TEACHER_FEATURES[teacher_mode]) if recipe.stage == "draft" else [])
-    settings = recipe.loader
-    loader = StreamingLoader(
-        store, features, token_budget=settings.token_budget, rows_per_batch=settings.rows_per_batch,
-        seed=recipe.seed, shuffle_window=settings.shuffle_window, rank=dist_state.rank,
-        world_size=dist_state.world_size, remainder=settings.remainder, long_samples=settings.long_samples,
-        read_threads=settings.read_threads, prefetch_batches=settings.prefetch_batches,
-        skip_corrupt=recipe.skip_corrupt,
-        # Training on the CPU: fp8 features are decoded by the read threads, overlapping the step;
-        # a GPU decodes them for free and the host moves half the bytes.
-        decode_on_host=device.type == "cpu",
-    )
-    total_steps = recipe.max_steps or sum(loader.num_batches(e) for e in range(recipe.schedule.epochs))
+    loader_kwargs = loader_arguments(recipe, dist_state, device)
+    loader = StreamingLoader(store, features, **loader_kwargs)
+    accum = recipe.grad_accum_steps
+    total_steps = recipe.max_steps or sum(loader.num_batches(e) for e in range(recipe.schedule.epochs)) // accum
     step = 0
     loader_state = loader.initial_state()
-    totals = {"tokens": 0, "padding": 0, "wait_s": 0.0, "step_s": 0.0, "skipped": 0}
+    totals = {"tokens": 0, "padding": 0, "wait_s": 0.0, "wall_s": 0.0, "skipped": 0}
     if state is not None:
         step = int(state["step"])
         loader_state = LoaderState.from_dict(state["loader"])
-        totals.update(state.get("totals", {}))
-    if settings.num_workers > 0:
+        totals.update({k: v for k, v in state.get("totals", {}).items() if k in totals})
+    if recipe.loader.num_workers > 0:
         from hsstore.torch_data import make_dataloader
 
-        batches = iter(make_dataloader(
-            store.url, features, loader_state, num_workers=settings.num_workers,
-            token_budget=settings.token_budget, rows_per_batch=settings.rows_per_batch, seed=recipe.seed,
-            shuffle_window=settings.shuffle_window, rank=dist_state.rank, world_size=dist_state.world_size,
-            remainder=settings.remainder, long_samples=settings.long_samples, read_threads=settings.read_threads,
-            prefetch_batches=settings.prefetch_batches, skip_corrupt=recipe.skip_corrupt,
-            decode_on_host=loader.decode_on_host,
-        ))
+        batches = iter(make_dataloader(store.url, features, loader_state, num_workers=recipe.loader.num_workers,
+                                       **loader_kwargs))
     else:
         batches = loader.batches(loader_state)
     timer = WaitTimer(batches)
-    specs = loader.specs
-
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if recipe.bf16 and device.type == "cuda" else nullcontext()
-    )
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if recipe.bf16 and device.type == "cuda" else nullcontext()
     metrics_path = output_dir / "metrics.jsonl"
-    window: dict[str, Any] = {}
+    window = MetricsWindow(recipe.stage)
     last_log: dict[str, Any] = {}
     progress = None
     if dist_state.is_main:
@@ -377,59 +315,59 @@ def _run(recipe: TrainRecipe, dist_state: Distributed, device: torch.device, sto
             dist.barrier()
         return path
 
+    def log(epoch: int, lr: float) -> dict[str, Any]:
+        record = window.reduce(step, lr, epoch, dist_state)
+        for key, value in window.reduced_totals.items():
+            totals[key] += value
+        if dist_state.is_main:
+            append_record(record, metrics_path)
+            if progress is not None:
+                progress.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['acc'][0]:.3f}")
+        return record
+
     interrupted = False
-    loop_started = time.perf_counter()
     with _Preemption() as preemption:
         while step < total_steps:
-            step_started = time.perf_counter()
-            host = next(timer)
-            batch = to_device(host, specs, device, pin_memory=device.type == "cuda")
-            if device.type == "cpu":  # CPU bf16 matmuls are slow; features go in as float32
-                batch.features = {k: v.float() if v.is_floating_point() else v for k, v in batch.features.items()}
             lr = lr_at(step, total_steps, recipe)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-
-            if recipe.stage == "draft":
-                loss, stats = train_step_draft(draft, batch, heads, teacher_mode, recipe, dist_state, autocast)
-            else:
-                loss, stats = train_step_candidate(draft, batch, recipe, dist_state, autocast)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            for param in params:
-                if param.grad is not None:
-                    all_reduce_(param.grad, dist_state)
+            for micro in range(accum):
+                host = next(timer)
+                batch = to_device(host, loader.specs, device, pin_memory=device.type == "cuda")
+                if device.type == "cpu":  # CPU bf16 matmuls are slow; features go in as float32
+                    batch.features = {k: v.float() if v.is_floating_point() else v for k, v in batch.features.items()}
+                with no_sync_unless(micro == accum - 1, model):
+                    with autocast:
+                        out = model(batch.features, batch.input_ids, batch.position_ids, batch.loss_mask, batch.doc_ids)
+                    counts = all_reduce_(torch.stack(out.counts).to(torch.float64), dist_state)
+                    loss = objective_loss(out, counts, recipe.loss_decay, recipe.stage != "draft", dist_state.world_size)
+                    (loss / accum).backward()
+                window.add_micro_batch(loss / dist_state.world_size, out, batch.num_real_tokens,
+                                       batch.num_padding_tokens, timer.last_wait)
+                totals["skipped"] += batch.num_skipped_samples
+                loader_state = loader.state_after(host)
             grad_norm = (
                 torch.nn.utils.clip_grad_norm_(params, recipe.optimizer.grad_clip)
                 if recipe.optimizer.grad_clip is not None
-                else torch.zeros(())
+                else torch.zeros((), device=device)
             )
             optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
             step += 1
-            loader_state = loader.state_after(host)
+            window.end_step(grad_norm)
 
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            totals["tokens"] += batch.num_real_tokens
-            totals["padding"] += batch.num_padding_tokens
-            totals["wait_s"] += timer.last_wait
-            totals["step_s"] += time.perf_counter() - step_started
-            totals["skipped"] += batch.num_skipped_samples
-            _accumulate(window, stats, batch, timer.last_wait, time.perf_counter() - step_started, float(grad_norm))
-
-            if step % recipe.log_every == 0 or step == total_steps:
-                last_log = _log(window, step, lr, host.epoch, recipe, dist_state, metrics_path)
-                window = {}
-                if progress is not None:
-                    progress.set_postfix(loss=f"{last_log['loss']:.3f}", acc0=f"{last_log['acc'][0]:.3f}")
+            at_log = step % recipe.log_every == 0 or step == total_steps
+            if at_log:
+                last_log = log(host.epoch, lr)
             if progress is not None:
                 progress.update(1)
             if recipe.checkpoint_every and step % recipe.checkpoint_every == 0 and step < total_steps:
                 checkpoint(ckpt.step_dir_name(step))
-            stop_now = all_reduce_(torch.tensor([float(preemption.requested)]), dist_state)  # all stop together
-            if (stop_at_step is not None and step >= stop_at_step and step < total_steps) or bool(stop_now.item()):
-                if window:
-                    last_log = _log(window, step, lr, host.epoch, recipe, dist_state, metrics_path)
+            # Several ranks agree on a signal at log steps only (one all-reduce and host sync each).
+            signalled = preemption.agreed(dist_state) if (dist_state.world_size == 1 or at_log) else False
+            if (stop_at_step is not None and step >= stop_at_step and step < total_steps) or signalled:
+                if window.steps:
+                    last_log = log(host.epoch, lr)
                 checkpoint(ckpt.step_dir_name(step))
                 interrupted = True
                 break
@@ -438,73 +376,20 @@ def _run(recipe: TrainRecipe, dist_state: Distributed, device: torch.device, sto
     final_path = ckpt_root / ckpt.FINAL_NAME
     if not interrupted:
         final_path = checkpoint(ckpt.FINAL_NAME)
-    loop_s = time.perf_counter() - loop_started
-    summary = _summary(recipe, step, total_steps, totals, last_log, loader, dist_state, interrupted, final_path, loop_s)
+    summary = _summary(recipe, step, total_steps, totals, last_log, loader, dist_state, interrupted, final_path)
     if dist_state.is_main:
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        print(_summary_text(summary))
+        print(summary_text(summary))
     return summary
 
 
-def _accumulate(window: dict[str, Any], stats: dict[str, torch.Tensor], batch: DeviceBatch, wait_s: float,
-                step_s: float, grad_norm: float) -> None:
-    for key, value in stats.items():
-        value = value.detach().cpu()
-        window[key] = window[key] + value if key in window else value.clone()
-    window["steps"] = window.get("steps", 0) + 1
-    window["tokens"] = window.get("tokens", 0) + batch.num_real_tokens
-    window["padding"] = window.get("padding", 0) + batch.num_padding_tokens
-    window["wait_s"] = window.get("wait_s", 0.0) + wait_s
-    window["step_s"] = window.get("step_s", 0.0) + step_s
-    window["grad_norm"] = grad_norm
-
-
-def _log(window: dict[str, Any], step: int, lr: float, epoch: int, recipe: TrainRecipe,
-         dist_state: Distributed, metrics_path: Path) -> dict[str, Any]:
-    """Reduce the window's sums over ranks and append one JSONL line (rank 0)."""
-    keys = [k for k in ("loss", "correct", "count", "kl") if k in window]
-    flat = torch.cat([window[k].reshape(-1) for k in keys] + [torch.tensor(
-        [window["tokens"], window["padding"], window["wait_s"], window["step_s"]], dtype=torch.float64)])
-    flat = all_reduce_(flat, dist_state)
-    parts, offset = {}, 0
-    for k in keys:
-        n = window[k].numel()
-        parts[k] = flat[offset : offset + n]
-        offset += n
-    tokens, padding, wait_s, step_s = flat[offset:].tolist()
-    steps = window["steps"]
-    count = parts["count"].clamp(min=1)
-    record: dict[str, Any] = {
-        "step": step,
-        "epoch": epoch,
-        "lr": lr,
-        "loss": float(parts["loss"].sum()) / steps,
-        "acc" if recipe.stage == "draft" else "recall": [round(float(x), 6) for x in parts["correct"] / count],
-        "positions": [int(x) for x in parts["count"]],
-        "tokens": int(tokens),
-        # step_s is summed over ranks: per-rank wall time is step_s / world_size.
-        "tokens_per_s": tokens / max(step_s / dist_state.world_size, 1e-9),
-        "data_wait_frac": wait_s / max(step_s, 1e-9),
-        "padding_frac": padding / max(tokens + padding, 1),
-        "grad_norm": window["grad_norm"],
-    }
-    if "kl" in parts:
-        record["kl"] = [round(float(x), 6) for x in parts["kl"] / count]
-    if recipe.stage != "draft":
-        record["acc"] = record["recall"]
-    if dist_state.is_main:
-        with metrics_path.open("a") as handle:
-            handle.write(json.dumps(record) + "\n")
-    return record
-
-
 def _summary(recipe: TrainRecipe, step: int, total_steps: int, totals: dict[str, Any], last_log: dict[str, Any],
-             loader: StreamingLoader, dist_state: Distributed, interrupted: bool, final_path: Path,
-             loop_s: float) -> dict[str, Any]:
+             loader: StreamingLoader, dist_state: Distributed, interrupted: bool, final_path: Path) -> dict[str, Any]:
     plan = loader.plan(0)
-    # Over all ranks: tokens add up; step time is per rank, so tokens/s uses the mean rank time.
-    reduced = all_reduce_(torch.tensor([totals["tokens"], totals["wait_s"], totals["step_s"]], dtype=torch.float64), dist_state)
-    tokens, wait_s, step_s = int(reduced[0]), float(reduced[1]), float(reduced[2])
+    # Tokens, padding, wait and wall time come from the log records (already summed over ranks);
+    # skipped samples are counted per rank.
+    skipped = int(all_reduce_(torch.tensor([float(totals["skipped"])], dtype=torch.float64), dist_state)[0])
+    wall_s = max(float(totals["wall_s"]), 1e-9)
     return {
         "stage": recipe.stage,
         "model": recipe.model,
@@ -512,29 +397,16 @@ def _summary(recipe: TrainRecipe, step: int, total_steps: int, totals: dict[str,
         "total_steps": total_steps,
         "interrupted": interrupted,
         "world_size": dist_state.world_size,
-        "tokens": tokens,
-        "tokens_per_s": tokens / max(step_s / dist_state.world_size, 1e-9),
-        "data_wait_frac": wait_s / max(step_s, 1e-9),
+        "tokens": int(totals["tokens"]),
+        "tokens_per_s": totals["tokens"] / wall_s,
+        "data_wait_frac": totals["wait_s"] / (wall_s * dist_state.world_size),
         "padding_frac": plan.padding_fraction,
         "rows_dropped_per_epoch": plan.num_rows_dropped,
         "samples_truncated_per_epoch": plan.num_samples_truncated,
-        "samples_skipped": totals["skipped"],
+        "samples_skipped": skipped,
         "final_loss": last_log.get("loss"),
         "final_acc": last_log.get("acc"),
         "final_kl": last_log.get("kl"),
         "checkpoint": str(final_path) if not interrupted else str(ckpt.latest_checkpoint(final_path.parent)),
-        "wall_s": loop_s,
+        "wall_s": wall_s,
     }
-
-
-def _summary_text(summary: dict[str, Any]) -> str:
-    acc = summary["final_acc"] or []
-    what = "recall@K" if summary["stage"] == "candidate_head" else "acc"
-    lines = [
-        f"{'stopped' if summary['interrupted'] else 'done'}: {summary['steps']}/{summary['total_steps']} steps, "
-        f"{summary['tokens']} tokens, {summary['tokens_per_s']:.0f} tokens/s, "
-        f"data wait {100 * summary['data_wait_frac']:.1f}%, padding {100 * summary['padding_frac']:.1f}%",
-        f"final loss {summary['final_loss']}, per-depth {what} " + " ".join(f"{a:.3f}" for a in acc),
-        f"{'checkpoint' if summary['interrupted'] else 'final checkpoint'}: {summary['checkpoint']}",
-    ]
-    return "\n".join(lines)

@@ -139,6 +139,7 @@ def ttt_forward(
     decay: float = DEFAULT_DECAY,
     attention: str = "auto",
     loss_chunk: int | None = None,
+    compile_loss: bool | None = None,
 ) -> TTTOutput:
     """The EAGLE-3 TTT loss: ``sum_i decay**i * CE_i`` with CE_i the masked mean cross-entropy
     of the depth-i draft logits against the teacher (see the module docstring for alignment).
@@ -168,7 +169,7 @@ def ttt_forward(
         rows = mask.flatten().nonzero().squeeze(1)
         normed = draft.norm(hidden.flatten(0, 1)[rows])
         ce_sum, correct = linear_soft_cross_entropy(
-            normed, draft.lm_head.weight, teacher, rows + 1 + depth, loss_chunk
+            normed, draft.lm_head.weight, teacher, rows + 1 + depth, loss_chunk, compile_loss
         )
         count = rows.new_tensor(rows.shape[0])
         step_loss = ce_sum / count.clamp(min=1)

@@ -1,0 +1,190 @@
+"""Time and profile the draft training step alone (no store, no loader) at a target's shape.
+
+Synthetic inputs on the device: packed rows of documents of 1,024-2,048 tokens, random aux and
+final states, a random target lm_head (the teacher), the project's draft of the target's shape.
+One step = teacher rows + the TTT unroll and loss (``pipelines.train.objective``) + backward +
+clipping + AdamW: what ``hsstore train`` runs per step after the batch is on the device.
+
+    python benchmarks/profile_train_step.py --shape qwen3-8b --tokens 8192 --variants flex+compile flex eager
+    python benchmarks/profile_train_step.py --shape qwen3-8b --profile $OUT/trace   # torch.profiler table
+
+Prints one line per variant (tokens/s, step ms, peak GiB, model TFLOP/s and MFU against the
+measured bf16 matmul rate) and, with ``--profile``, the top CUDA kernels of the first variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from pipelines.models.eagle3 import Eagle3Config, Eagle3Draft  # noqa: E402
+from pipelines.train.objective import DraftObjective  # noqa: E402
+from pipelines.train.teacher import TeacherHead  # noqa: E402
+
+SHAPES = {
+    "qwen3-8b": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     intermediate_size=12288, vocab_size=151936, target_hidden_size=4096, rope_theta=1e6),
+    "reference": dict(hidden_size=384, num_attention_heads=6, num_key_value_heads=2, head_dim=64,
+                      intermediate_size=1024, vocab_size=8192, target_hidden_size=384, rope_theta=1e6),
+}
+
+
+def step_flops_per_token(cfg: Eagle3Config, ttt_length: int, scored_fraction: float = 1.0) -> float:
+    """Matmul FLOPs per token of one training step (forward + backward = 3x forward), attention
+    scores excluded (documents of 1-2k tokens make them a few percent)."""
+    H, hd = cfg.hidden_size, cfg.head_dim
+    qkv = 2 * H * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd
+    o = cfg.num_attention_heads * hd * H
+    mlp = 3 * H * cfg.intermediate_size
+    head = H * cfg.draft_vocab_size * scored_fraction
+    per_depth = 2 * (qkv + o + mlp + head) * 3
+    fc = 2 * cfg.num_aux_layers * cfg.target_hidden_size * H * 3
+    teacher = 2 * H * cfg.draft_vocab_size * ttt_length * scored_fraction + 2 * H * cfg.vocab_size
+    return per_depth * ttt_length + fc + teacher
+
+
+def synthetic_batch(B: int, T: int, cfg: Eagle3Config, device: torch.device, seed: int = 0) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    doc_ids = torch.zeros(B, T, dtype=torch.long)
+    pos = torch.zeros(B, T, dtype=torch.long)
+    for b in range(B):
+        start, doc = 0, 0
+        while start < T:
+            length = min(int(torch.randint(1024, 2049, (1,), generator=gen)), T - start)
+            doc_ids[b, start : start + length] = doc
+            pos[b, start : start + length] = torch.arange(length)
+            start, doc = start + length, doc + 1
+    return {
+        "input_ids": torch.randint(0, cfg.vocab_size, (B, T), generator=gen).to(device),
+        "position_ids": pos.to(device),
+        "doc_ids": doc_ids.to(device),
+        "loss_mask": torch.ones(B, T, dtype=torch.bool, device=device),
+        "aux": (torch.randn(B, T, cfg.num_aux_layers, cfg.target_hidden_size, generator=gen) * 0.5)
+        .to(device, torch.bfloat16),
+        "final": torch.randn(B, T, cfg.target_hidden_size, generator=gen).to(device, torch.bfloat16),
+    }
+
+
+def measure_matmul_tflops(device: torch.device) -> float:
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize(device)
+    return 2 * 8192**3 * 10 / (time.perf_counter() - t0) / 1e12
+
+
+def run_variant(args: argparse.Namespace, attention: str, compiled: bool, device: torch.device, peak_tflops: float,
+                profile_dir: Path | None) -> dict[str, Any]:
+    cfg = Eagle3Config(**SHAPES[args.shape], draft_vocab_size=args.draft_vocab, aux_layer_ids=[2, 18, 33])
+    torch.manual_seed(0)
+    draft = Eagle3Draft(cfg).to(device)
+    lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, device=device) * 0.02
+    # Real targets put their argmax inside a calibrated draft vocabulary at ~90%+ of positions; a
+    # random head would at ~V_draft/V of them and make the lm_head look cheap. Larger draft rows
+    # make nearly every position scored, as in the plain-torch yardstick.
+    lm_head[: cfg.draft_vocab_size] *= 3.0
+    lm_head = lm_head.to(torch.bfloat16)
+    head = TeacherHead(lm_head, draft.d2t, draft.t2d)
+    objective = DraftObjective(draft, "final_hidden", head, ttt_length=args.ttt_length, attention=attention,
+                               compile=compiled)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    batch = synthetic_batch(args.rows, args.tokens, cfg, device)
+    features = {"aux_hidden_states": batch["aux"], "final_hidden_state": batch["final"]}
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = objective(features, batch["input_ids"], batch["position_ids"], batch["loss_mask"], batch["doc_ids"])
+        loss = sum(0.8**i * s / c.clamp(min=1) for i, (s, c) in enumerate(zip(out.loss_sums, out.counts, strict=True)))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        scored = objective(features, batch["input_ids"], batch["position_ids"], batch["loss_mask"], batch["doc_ids"]).counts
+    scored_fraction = float(torch.stack(scored).double().mean()) / (args.rows * args.tokens)
+    step_s = sorted(times)[len(times) // 2]
+    tokens = args.rows * args.tokens
+    flops = step_flops_per_token(cfg, args.ttt_length, scored_fraction) * tokens
+    result = {
+        "attention": attention, "compile": compiled, "tokens_per_step": tokens,
+        "step_ms_median": round(1000 * step_s, 1), "tokens_per_s": round(tokens / step_s),
+        "model_tflops": round(flops / step_s / 1e12, 1), "mfu_vs_measured_matmul": round(flops / step_s / 1e12 / peak_tflops, 3),
+        "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 1),
+        "scored_fraction": round(scored_fraction, 3),
+    }
+    if profile_dir is not None:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                step()
+            torch.cuda.synchronize(device)
+        profile_dir.mkdir(parents=True, exist_ok=True)
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
+        (profile_dir / f"profile-{attention}.txt").write_text(table)
+        print(table[:6000])
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens per packed row")
+    parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--draft-vocab", type=int, default=32000)
+    parser.add_argument("--ttt-length", type=int, default=7)
+    parser.add_argument("--variants", nargs="+", default=["flex+compile"],
+                        help="attention (flex, eager) with +compile (norms, MLP and the loss kernel compiled)")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--profile", default=None, help="write torch.profiler tables here")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    peak = measure_matmul_tflops(device)
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+                               "bf16_matmul_tflops_measured": round(peak, 1), "args": vars(args), "variants": []}
+    for i, variant in enumerate(args.variants):
+        attention, _, compiled = variant.partition("+")
+        profile_dir = Path(args.profile) if args.profile and i == 0 else None
+        try:
+            row = run_variant(args, attention, compiled == "compile", device, peak, profile_dir)
+        except torch.OutOfMemoryError:
+            row = {"variant": variant, "error": "OOM"}
+            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()
+        results["variants"].append(row)
+        print(json.dumps(row), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

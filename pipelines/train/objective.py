@@ -1,0 +1,135 @@
+"""What one training step computes, as ``nn.Module``s that ``DistributedDataParallel`` wraps.
+
+Each objective owns the draft (its only registered submodule, so DDP sees exactly the draft's
+trainable parameters and overlaps their bucketed all-reduce with the backward pass) and returns
+per-depth *sums* and counts rather than a finished loss: the trainer normalises by the global
+count of scored positions over all ranks, so N ranks compute the gradient of one rank that saw
+all N batches (``objective_loss``).
+
+- ``DraftObjective`` (stage 1, EAGLE-3/EAGLE-4 drafts): the TTT unroll and its soft
+  cross-entropy against the target's distribution over the draft vocabulary.
+- ``CandidateObjective`` (EAGLE-4 stage 2): the frozen draft's unroll without gradients, then
+  the low-rank head's forward KL from the full head at every depth.
+
+The target's lm_head (the teacher) is held as a plain attribute, not a buffer: it is frozen, the
+same on every rank, and a gigabyte that DDP must neither broadcast nor bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pipelines.models.eagle3 import Eagle3Draft
+from pipelines.train.candidate import candidate_step_loss
+from pipelines.train.teacher import TeacherHead, teacher_rows
+from pipelines.train.ttt import doc_remaining_from_ids, ttt_forward, ttt_step_masks, ttt_unroll
+
+AUX = "aux_hidden_states"
+
+
+@dataclass
+class ObjectiveOutput:
+    """Per-depth sums over this rank's batch (tensors on the device, no host syncs)."""
+
+    loss_sums: list[torch.Tensor]  # CE (stage 1) or KL (stage 2) summed over scored positions
+    counts: list[torch.Tensor]  # scored positions
+    correct: list[torch.Tensor]  # argmax matches (stage 1) or top-1 in the top K (stage 2)
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def compile_draft_pointwise(draft: Eagle3Draft) -> None:
+    """``torch.compile`` the draft's norms and MLP in place (state-dict keys unchanged): fuses the
+    float32 RMSNorm round trips and SiLU-times-up into single passes. CUDA only; attention is
+    compiled separately (``pipelines.models.ttt_attention``) and the matmuls gain nothing."""
+    layer = draft.midlayer
+    for module in (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, layer.mlp, draft.norm):
+        module.compile(dynamic=None)
+
+
+class DraftObjective(nn.Module):
+    def __init__(
+        self,
+        draft: Eagle3Draft,
+        teacher_mode: str,
+        teacher_head: TeacherHead | None,
+        ttt_length: int,
+        attention: str = "auto",
+        loss_chunk: int | None = None,
+        compile: bool = False,
+    ) -> None:
+        super().__init__()
+        self.draft = draft
+        self.teacher_mode = teacher_mode
+        self.teacher_head = teacher_head
+        self.ttt_length = ttt_length
+        self.attention = attention
+        self.loss_chunk = loss_chunk
+        self.compile = compile  # the norms and MLP here, the loss's chunk kernel in the loss
+        if compile:
+            compile_draft_pointwise(draft)
+
+    def forward(
+        self,
+        features: Mapping[str, torch.Tensor],
+        input_ids_BT: torch.Tensor,
+        position_ids_BT: torch.Tensor,
+        loss_mask_BT: torch.Tensor,
+        doc_ids_BT: torch.Tensor,
+    ) -> ObjectiveOutput:
+        with torch.no_grad():
+            teacher, valid = teacher_rows(
+                self.teacher_mode, features, d2t=self.draft.d2t, t2d=self.draft.t2d, head=self.teacher_head
+            )
+        out = ttt_forward(
+            self.draft, features[AUX], input_ids_BT, position_ids_BT, loss_mask_BT, teacher, valid,
+            doc_ids_BT, self.ttt_length, attention=self.attention, loss_chunk=self.loss_chunk,
+            compile_loss=self.compile,
+        )
+        return ObjectiveOutput(out.step_loss_sums, out.step_counts, out.step_correct)
+
+
+class CandidateObjective(nn.Module):
+    def __init__(self, draft: Eagle3Draft, ttt_length: int, num_candidates: int, attention: str = "auto") -> None:
+        super().__init__()
+        self.draft = draft
+        self.ttt_length = ttt_length
+        self.num_candidates = num_candidates
+        self.attention = attention
+
+    def forward(
+        self,
+        features: Mapping[str, torch.Tensor],
+        input_ids_BT: torch.Tensor,
+        position_ids_BT: torch.Tensor,
+        loss_mask_BT: torch.Tensor,
+        doc_ids_BT: torch.Tensor,
+    ) -> ObjectiveOutput:
+        with torch.no_grad():
+            hidden = ttt_unroll(
+                self.draft, features[AUX], input_ids_BT, position_ids_BT, doc_ids_BT, self.ttt_length,
+                self.attention,
+            )
+        masks = ttt_step_masks(loss_mask_BT, doc_remaining_from_ids(doc_ids_BT), None, self.ttt_length)
+        out = candidate_step_loss(self.draft, hidden, masks, self.num_candidates)
+        return ObjectiveOutput(out.step_kl_sums, out.step_counts, out.step_hits)
+
+
+def objective_loss(
+    out: ObjectiveOutput, global_counts: torch.Tensor, decay: float, normalise_weights: bool,
+    world_size: int = 1,
+) -> torch.Tensor:
+    """``sum_i decay**i * loss_sum_i / global_count_i`` (divided by the weights' sum when
+    ``normalise_weights``: the candidate head's KL), times ``world_size`` because DDP averages
+    gradients over ranks while the global counts already divide by every rank's positions."""
+    weights = [decay**i for i in range(len(out.loss_sums))]
+    loss = sum(
+        w * s / global_counts[i].clamp(min=1).to(s.dtype)
+        for i, (w, s) in enumerate(zip(weights, out.loss_sums, strict=True))
+    )
+    if normalise_weights:
+        loss = loss / sum(weights)
+    return loss * world_size  # type: ignore[return-value]
