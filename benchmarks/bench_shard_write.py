@@ -1,6 +1,6 @@
 """ShardWriter throughput: how fast one shard of bf16 features reaches the disk.
 
-Extraction on a GPU produces ~1 GB/s of bf16 features for an 8B target (DESIGN.md). ``ShardWriter``
+Extraction on a GPU produces ~1 GB/s of bf16 features for an 8B target (docs/design.md). ``ShardWriter``
 streams each array's inner chunks to its file from a thread of its own (crc32c and sha256 computed
 as it writes). This measures GB/s against a plain ``numpy.tofile`` of the same bytes, the disk's
 ceiling for this process, for one Zarr shard file per array (``--shard-chunks 0``, the default) and

@@ -8,9 +8,10 @@ loading the target again.
 Importing this package never imports torch, ray or transformers.
 """
 
-from hsstore import codecs
+from hsstore import aux_layers, codecs
 from hsstore.commit import commit_shards, committed_shard_ids, ensure_store
 from hsstore.errors import (
+    AuxLayerError,
     CodecError,
     CommitConflictError,
     HsstoreError,
@@ -34,6 +35,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FORMAT_VERSION",
+    "AuxLayerError",
     "CodecError",
     "CommitConflictError",
     "FeatureSpec",
@@ -56,6 +58,7 @@ __all__ = [
     "StoreWriter",
     "StreamingLoader",
     "TargetIdentity",
+    "aux_layers",
     "codecs",
     "commit_shards",
     "committed_shard_ids",

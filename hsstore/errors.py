@@ -37,3 +37,7 @@ class LineageMismatchError(HsstoreError, ValueError):
 
 class RecipeError(HsstoreError, ValueError):
     """A recipe is invalid; the message names the dotted key."""
+
+
+class AuxLayerError(HsstoreError, ValueError):
+    """Aux layer ids outside what the target has (hsstore.aux_layers holds the accepted range)."""

@@ -11,11 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-# aux layer id i is the hidden state entering decoder layer i: transformers' hidden_states[i]
-# with output_hidden_states=True (0 = embeddings). vLLM and SGLang default to [2, L//2, L-3] here.
-LAYER_CONVENTION: Literal["hf_hidden_states_index"] = "hf_hidden_states_index"
-# The final state is the post-norm output of the last layer: what lm_head multiplies.
-FINAL_STATE_CONVENTION: Literal["post_norm"] = "post_norm"
+from hsstore.aux_layers import FINAL_STATE_CONVENTION, LAYER_CONVENTION
 
 
 class TargetIdentity(BaseModel):

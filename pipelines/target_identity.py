@@ -33,6 +33,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from hsstore.aux_layers import default_aux_layer_ids  # noqa: F401  (re-exported: the one definition)
+
 # Keys of config.json that record the writing software, not the model.
 _CONFIG_KEYS_IGNORED = ("transformers_version", "_name_or_path", "_commit_hash")
 _TOKENIZER_FILES = (
@@ -173,16 +175,3 @@ def tokenizer_sha256(tokenizer_dir: str | Path) -> str:
             f"{tokenizer_dir} holds none of the tokenizer files {', '.join(_TOKENIZER_FILES)}"
         )
     return sha256_bytes(canonical_json(parts))
-
-
-def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
-    """EAGLE-3's default aux layers ``[2, L//2, L-3]`` (vLLM/SGLang), in the hidden_states[i] convention.
-
-    For very shallow models the three ids can coincide or fall outside ``[0, L]``; they are
-    clamped and de-duplicated so that tiny test models still get valid ids.
-    """
-    if num_hidden_layers < 1:
-        raise ValueError(f"num_hidden_layers must be >= 1, got {num_hidden_layers}")
-    ids = [2, num_hidden_layers // 2, num_hidden_layers - 3]
-    clamped = sorted({min(max(i, 0), num_hidden_layers) for i in ids})
-    return clamped

@@ -10,12 +10,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from hsstore.format.layout import TABLE_FEATURES
 from hsstore.format.registry import FeatureCodec, codec_for
 
-# The names pipelines agree on (DESIGN.md). Other names are allowed: a store is a general container.
-AUX_HIDDEN_STATES = "aux_hidden_states"  # [T, num_aux_layers, H]
-FINAL_HIDDEN_STATE = "final_hidden_state"  # [T, H], post-norm
-TOPK_LOGITS = "topk_logits"  # [T, k]
-TOPK_IDS = "topk_ids"  # [T, k]
-DRAFT_PROBS = "draft_probs"  # [T, V_draft]
 Compression = Literal["none", "zstd", "blosc"]
 
 # Default inner chunk: reads are about one sample (hundreds of tokens) and always cover whole chunks,

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from hsstore.aux_layers import AUX_HIDDEN_STATES, FINAL_HIDDEN_STATE
 from hsstore.errors import HsstoreError, ShardCorruptError
 from hsstore.format import codecs
-from hsstore.format.features import AUX_HIDDEN_STATES, FINAL_HIDDEN_STATE
 from hsstore.inspect.health import StoreHealth, skip_set
 from hsstore.inspect.samples import samples_frame
 from hsstore.inspect.tokenizer import load_tokenizer

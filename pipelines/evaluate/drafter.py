@@ -20,7 +20,8 @@ import time
 
 import torch
 
-from hsstore.errors import LineageMismatchError
+from hsstore.aux_layers import check_aux_layer_ids
+from hsstore.errors import AuxLayerError, LineageMismatchError
 from pipelines.evaluate.target import TargetModel, synchronize
 from pipelines.evaluate.tree import DraftTree, build_dynamic_tree
 from pipelines.models.eagle3 import Eagle3Draft
@@ -57,11 +58,13 @@ def check_draft_fits(
             f"hidden_size {cfg.hidden_size} != the target's {hidden_size} "
             "(the draft embeds tokens with the target's embedding matrix)"
         )
-    bad_layers = [i for i in cfg.aux_layer_ids if not 0 <= i < num_layers]
-    if bad_layers:
+    try:
+        check_aux_layer_ids(cfg.aux_layer_ids, num_layers)
+    except AuxLayerError:
+        bad_layers = [i for i in cfg.aux_layer_ids if not 0 <= i <= num_layers]
         problems.append(
             f"aux_layer_ids {cfg.aux_layer_ids} name layers {bad_layers} outside the target's "
-            f"0..{num_layers - 1} (id i = the state entering decoder layer i)"
+            f"0..{num_layers} (id i = the state entering decoder layer i; {num_layers} = the final norm's output)"
         )
     if not problems:
         max_target_id = int((torch.arange(cfg.draft_vocab_size) + draft.d2t.cpu()).max())

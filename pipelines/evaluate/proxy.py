@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from hsstore.aux_layers import AUX_HIDDEN_STATES, TEACHER_FEATURES
 from hsstore.errors import LineageMismatchError
 from pipelines.evaluate.recipe import DecodeSetting, ProxyConfig
 from pipelines.models.eagle3 import Eagle3Draft
@@ -52,7 +53,7 @@ def offline_proxy(
 ) -> dict[str, Any]:
     """Per-depth TTT accuracy of ``draft`` on (a part of) ``config.store``."""
     import hsstore
-    from pipelines.train.lineage_check import TEACHER_FEATURES, choose_teacher
+    from pipelines.train.lineage_check import choose_teacher
     from pipelines.train.target_heads import load_target_heads
     from pipelines.train.teacher import build_teacher
     from pipelines.train.ttt import ttt_forward
@@ -68,7 +69,7 @@ def offline_proxy(
     lm_head = None
     if teacher_mode == "final_hidden":
         lm_head = load_target_heads(target_dir).lm_head_VH.to(device)
-    features = ["aux_hidden_states", *TEACHER_FEATURES[teacher_mode]]
+    features = [AUX_HIDDEN_STATES, *TEACHER_FEATURES[teacher_mode]]
     sample_ids = store.samples.column("sample_id").to_pylist()
     chosen = [i for i, sid in enumerate(sample_ids) if _in_fraction(sid, config.fraction)]
     if config.max_samples is not None:
@@ -84,13 +85,13 @@ def offline_proxy(
         sample = store.read_sample(index, features, device=device)
         input_ids = torch.as_tensor(sample["input_ids"], dtype=torch.long, device=device)[None]
         loss_mask = torch.as_tensor(sample["loss_mask"], device=device).bool()[None]
-        batch = {name: sample[name][None] for name in features if name != "aux_hidden_states"}
+        batch = {name: sample[name][None] for name in features if name != AUX_HIDDEN_STATES}
         teacher = build_teacher(
             teacher_mode, batch, d2t=draft.d2t, t2d=draft.t2d, lm_head_VH=lm_head
         )
         out = ttt_forward(
             draft,
-            sample["aux_hidden_states"][None].to(dtype),
+            sample[AUX_HIDDEN_STATES][None].to(dtype),
             input_ids,
             torch.arange(input_ids.shape[1], device=device)[None],
             loss_mask,

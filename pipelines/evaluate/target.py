@@ -3,7 +3,7 @@
 :class:`TargetModel` runs the target one call at a time (batch size 1), keeps a
 ``transformers.DynamicCache`` across calls, and hands back what the draft needs: the logits of
 every new position and the auxiliary hidden states (``hidden_states[i]`` = the input of decoder
-layer ``i``, index 0 = the embeddings; the convention in DESIGN.md).
+layer ``i``, index 0 = the embeddings; the convention in docs/design.md).
 
 Tree verification feeds the root and all draft nodes in ONE forward with a custom 4D attention
 mask over ``[cache + tree]`` and depth-based position ids. transformers 5.x passes a 4D mask
@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from hsstore.errors import HsstoreError
+from hsstore.aux_layers import check_aux_layer_ids
+from hsstore.errors import AuxLayerError, HsstoreError
 
 # Attention implementations that honour a custom additive 4D mask.
 MASKABLE_ATTENTION = ("sdpa", "eager")
@@ -102,13 +103,12 @@ class TargetModel:
                 f"load the target with attn_implementation in {MASKABLE_ATTENTION}"
             )
         self.num_layers = int(self.config.num_hidden_layers)
-        bad = [i for i in aux_layer_ids if not 0 <= i < self.num_layers]
-        if bad:
-            raise TargetModelError(
-                f"aux layer ids {bad} are outside the target's decoder layers 0..{self.num_layers - 1} "
-                "(aux id i = the input of decoder layer i)"
-            )
-        self.aux_layer_ids = list(aux_layer_ids)
+        try:
+            # The same range extraction accepts: 0..L, L being the final norm's output, which is
+            # also what transformers returns as hidden_states[L].
+            self.aux_layer_ids = check_aux_layer_ids(aux_layer_ids, self.num_layers, what="aux layer ids")
+        except AuxLayerError as err:
+            raise TargetModelError(str(err)) from err
         param = next(model.parameters())
         self.device = param.device
         self.dtype = param.dtype

@@ -2,7 +2,7 @@
 
 ``export_draft(CHECKPOINT, format, OUT)`` reads the trainer's ``CHECKPOINT/draft`` (or a directory
 holding ``config.json`` + ``model.safetensors`` directly) and writes ``OUT/config.json`` and
-``OUT/model.safetensors`` per DESIGN.md's serving layout (pipelines.models.serving_layout holds the
+``OUT/model.safetensors`` per docs/design.md's serving layout (pipelines.models.serving_layout holds the
 key mapping; docs/serving-layouts.md the table). The output is assembled in a temporary sibling
 directory and renamed into place, so a crashed export never leaves a half-written draft that an
 engine would load.

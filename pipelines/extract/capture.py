@@ -1,6 +1,6 @@
 """Capture the target's hidden states with forward hooks, for the valid tokens of a padded batch.
 
-Layer convention (DESIGN.md): aux layer id ``i`` is ``hidden_states[i]`` of transformers'
+Layer convention (docs/design.md): aux layer id ``i`` is ``hidden_states[i]`` of transformers'
 ``output_hidden_states``: the hidden state *entering* decoder layer ``i`` (``i == 0`` is the
 embedding output). It is captured by a forward *pre*-hook on ``layers[i]``. ``i == L`` (one past
 the last layer) is what transformers returns as ``hidden_states[L]``: the final norm's output,
@@ -25,7 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
-AUX_FEATURE = "aux_hidden_states"
+from hsstore.aux_layers import AUX_HIDDEN_STATES as AUX_FEATURE
+from hsstore.aux_layers import FINAL_HIDDEN_STATE as FINAL_FEATURE
+from hsstore.aux_layers import TOPK_IDS as TOPK_IDS_FEATURE
+from hsstore.aux_layers import TOPK_LOGITS as TOPK_LOGITS_FEATURE
+from hsstore.aux_layers import check_aux_layer_ids, is_final_norm_output
 
 # Architectures (``config.model_type``) whose valid tokens' features are the same with and without
 # the padding mask under right padding: decoder-only, causal attention (full or sliding window),
@@ -33,9 +37,6 @@ AUX_FEATURE = "aux_hidden_states"
 # checked by tests/pipelines/extract/test_capture.py on a tiny random model; add a type here only
 # with its test. Others get the mask (``batching.pass_attention_mask: auto``).
 MASK_FREE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe"})
-FINAL_FEATURE = "final_hidden_state"
-TOPK_LOGITS_FEATURE = "topk_logits"
-TOPK_IDS_FEATURE = "topk_ids"
 
 
 def resolve_pass_attention_mask(setting: bool | str | None, model_type: str | None) -> bool:
@@ -109,17 +110,11 @@ class HiddenStateCapture:
         self.model = model
         self.parts = find_decoder_parts(model)
         self.num_layers = len(self.parts.layers)
-        bad = [i for i in aux_layer_ids if not 0 <= i <= self.num_layers]
-        if bad:
-            raise ValueError(
-                f"aux_layer_ids {bad} out of range: this model has {self.num_layers} decoder layers, "
-                f"so ids go from 0 (embeddings) to {self.num_layers} (final norm output)"
-            )
         if topk_k is not None and self.parts.lm_head is None:
             raise UnsupportedModelError(
                 f"{type(model).__name__} has no lm_head to compute top-k with"
             )
-        self.aux_layer_ids = list(aux_layer_ids)
+        self.aux_layer_ids = check_aux_layer_ids(aux_layer_ids, self.num_layers)
         self.final_hidden_state = final_hidden_state
         self.topk_k = topk_k
         self.topk_chunk_tokens = topk_chunk_tokens
@@ -132,7 +127,7 @@ class HiddenStateCapture:
         """Hooks live only for the duration of a call: between calls the model is untouched (a
         bare forward of the same model, as the benchmark runs, pays nothing and keeps nothing)."""
         for layer_id in sorted(set(self.aux_layer_ids)):
-            if layer_id < self.num_layers:
+            if not is_final_norm_output(layer_id, self.num_layers):  # id L comes from the norm hook
                 handle = self.parts.layers[layer_id].register_forward_pre_hook(
                     self._pre_hook(layer_id), with_kwargs=True
                 )
@@ -197,7 +192,7 @@ class HiddenStateCapture:
             features: dict[str, torch.Tensor] = {}
             if self.aux_layer_ids:
                 per_layer = [
-                    valid(final_BTD if i == self.num_layers else self._captured[i])
+                    valid(final_BTD if is_final_norm_output(i, self.num_layers) else self._captured[i])
                     for i in self.aux_layer_ids
                 ]
                 features[AUX_FEATURE] = torch.stack(per_layer, dim=1)  # [N, K, H]

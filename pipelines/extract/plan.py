@@ -198,7 +198,7 @@ def cut_units(
 
 
 def build_features(recipe: ExtractRecipe, num_aux: int, hidden_size: int) -> list[FeatureSpec]:
-    """The store's feature specs, named as DESIGN.md fixes them, with the recipe's codecs."""
+    """The store's feature specs, named as docs/design.md fixes them, with the recipe's codecs."""
     codecs = recipe.codecs
 
     def spec(name: str, shape: tuple[int, ...], choice: Any) -> FeatureSpec:
@@ -240,7 +240,7 @@ def build_lineage(
     aux_layer_ids: list[int],
     data_fingerprint: str,
 ) -> Lineage:
-    """The store's lineage, recorded in full (DESIGN.md 'Lineage')."""
+    """The store's lineage, recorded in full (docs/design.md 'Lineage')."""
     identity = target_identity(target_dir)
     return Lineage(
         target=TargetIdentity(

@@ -88,7 +88,7 @@ class CodecChoice(RecipeModel):
 
 
 class CodecsSection(RecipeModel):
-    """Per-feature codecs (DESIGN.md): bf16 is lossless w.r.t. a bf16 target."""
+    """Per-feature codecs (docs/design.md): bf16 is lossless w.r.t. a bf16 target."""
 
     aux_hidden_states: CodecChoice = Field(default_factory=CodecChoice)
     final_hidden_state: CodecChoice = Field(default_factory=CodecChoice)

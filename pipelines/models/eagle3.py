@@ -5,7 +5,7 @@ this one module; see docs/draft-model.md for the contract. Parameter names equal
 layout's weight names (``fc.weight``, ``midlayer.self_attn.q_proj.weight``, ...), so export is a
 rename-free copy minus ``embed_tokens``.
 
-Data flow at one position t (DESIGN.md): ``h = fc(cat(aux_t))`` (or the draft's own previous
+Data flow at one position t (docs/design.md): ``h = fc(cat(aux_t))`` (or the draft's own previous
 output at TTT depth > 0), ``x = cat([input_layernorm(embed(token_{t+1})), hidden_norm(h)])`` (2H,
 embeddings first), attention on x with the residual being h itself, a SiLU MLP, and the pre-norm
 output is what the next depth gets back as h. Logits are ``lm_head(norm(out))`` over the draft

@@ -4,7 +4,7 @@ The server computes ``up(down(norm(h)))`` (two thin matrices, r*(H + V_draft) MA
 H*V_draft), takes its top K candidates and rescores only those with the full head. So what matters
 is candidate recall@K: how often the full head's top-1 is among the low-rank head's top K.
 
-Following NeMo's recipe (DESIGN.md), the factors start from the truncated SVD of the draft's
+Following NeMo's recipe (docs/design.md), the factors start from the truncated SVD of the draft's
 lm_head (the best rank-r approximation in Frobenius norm, so recall is already high at step 0)
 and are fitted by forward KL(full || low-rank) at every TTT depth, weighted ``decay**i`` and
 normalised by the weights' sum, so the loss scale does not depend on the unroll length.

@@ -13,24 +13,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hsstore.errors import LineageMismatchError
-from hsstore.format.features import (
+from hsstore.aux_layers import (
     AUX_HIDDEN_STATES,
-    DRAFT_PROBS,
     FINAL_HIDDEN_STATE,
-    TOPK_IDS,
-    TOPK_LOGITS,
+    FINAL_STATE_CONVENTION,
+    LAYER_CONVENTION,
+    TEACHER_FEATURES,
 )
-from hsstore.lineage import FINAL_STATE_CONVENTION, LAYER_CONVENTION
+from hsstore.errors import LineageMismatchError
 from hsstore.store import Store
 from pipelines import target_identity as identity
-
-# The features each teacher mode needs from the store.
-TEACHER_FEATURES: dict[str, tuple[str, ...]] = {
-    "final_hidden": (FINAL_HIDDEN_STATE,),
-    "topk": (TOPK_LOGITS, TOPK_IDS),
-    "draft_probs": (DRAFT_PROBS,),
-}
 
 
 def _short(value: Any) -> str:

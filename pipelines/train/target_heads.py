@@ -82,7 +82,7 @@ class TargetHeads:
     def apply_norm(self, hidden_TH: torch.Tensor) -> torch.Tensor:
         """The target's final RMSNorm (Llama/Qwen form: float32 statistics, weight times normed).
 
-        Only needed for a store that captured the pre-norm state; the DESIGN.md convention stores
+        Only needed for a store that captured the pre-norm state; the docs/design.md convention stores
         the post-norm state, which goes straight into :meth:`logits`.
         """
         import torch

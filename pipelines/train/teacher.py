@@ -1,6 +1,6 @@
 """The teacher: the target's next-token distribution restricted to the draft vocabulary.
 
-DESIGN.md: at each position the teacher is the target's softmax restricted to the draft vocabulary
+docs/design.md: at each position the teacher is the target's softmax restricted to the draft vocabulary
 and renormalised; a position whose target argmax lies outside the draft vocabulary is invalid
 (the draft could never propose that token, so training towards the renormalised rest would teach
 a wrong top-1). Restricting and renormalising a softmax equals a softmax over the kept logits, so

@@ -1,6 +1,6 @@
 """Draft vocabulary calibration: which target ids the draft's lm_head covers.
 
-DESIGN.md: the draft vocabulary is the ``draft_vocab_size`` most frequent target ids among
+docs/design.md: the draft vocabulary is the ``draft_vocab_size`` most frequent target ids among
 loss-masked tokens (ties broken by the lower id, so calibration is deterministic), sorted by id.
 ``d2t[i]`` is the int64 offset with ``target_id = i + d2t[i]`` and ``t2d`` a bool mask over the
 target vocabulary, exactly the two tensors vLLM and SGLang load. The full vocabulary is the

@@ -81,5 +81,7 @@ def test_attention_without_custom_masks_is_refused(reference_target: Path) -> No
 
 
 def test_aux_layers_outside_the_target_are_refused(reference_sdpa: TargetModel) -> None:
-    with pytest.raises(TargetModelError, match=r"aux layer ids \[8\] are outside"):
-        TargetModel(reference_sdpa.model, [2, 4, 8])
+    """0..L as extraction accepts (hsstore.aux_layers): 8 is the 8-layer target's final norm output."""
+    assert TargetModel(reference_sdpa.model, [2, 4, 8]).aux_layer_ids == [2, 4, 8]
+    with pytest.raises(TargetModelError, match=r"aux layer ids \[9\] out of range: this model has 8 decoder layers"):
+        TargetModel(reference_sdpa.model, [2, 4, 9])

@@ -17,7 +17,7 @@ from tests.pipelines.models.helpers import random_inputs, tiny_draft
 
 H, V, V_DRAFT, HEADS, KV_HEADS, HEAD_DIM, MLP = 64, 256, 96, 4, 2, 16, 96
 
-# DESIGN.md's table: exported name -> (shape, dtype) for the tiny draft.
+# docs/design.md's table: exported name -> (shape, dtype) for the tiny draft.
 EAGLE3_LAYOUT = {
     "fc.weight": ((H, 3 * H), torch.bfloat16),
     "midlayer.self_attn.q_proj.weight": ((HEADS * HEAD_DIM, 2 * H), torch.bfloat16),

@@ -1,0 +1,22 @@
+"""Design notes the code refers to live in the repository (docs/), not beside it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCES = [p for folder in ("hsstore", "pipelines", "benchmarks", "recipes") for p in (REPO / folder).rglob("*") if p.suffix in (".py", ".yaml")]
+
+
+def test_every_doc_the_code_names_exists() -> None:
+    assert len(SOURCES) > 50
+    missing = []
+    for path in SOURCES:
+        text = path.read_text()
+        for ref in re.findall(r"\bdocs/[\w./-]+\.md\b", text):
+            if not (REPO / ref).exists():
+                missing.append(f"{path.relative_to(REPO)}: {ref}")
+        if re.search(r"(?<![\w/])DESIGN\.md", text):
+            missing.append(f"{path.relative_to(REPO)}: DESIGN.md (not in the repository; use docs/design.md)")
+    assert missing == []
