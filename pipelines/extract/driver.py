@@ -88,7 +88,7 @@ def run_extraction(
     called after each unit's commit (tests use it to inject faults).
     """
     wall_start = time.perf_counter()
-    location = StoreLocation(recipe.store)
+    location = StoreLocation(recipe.store, recipe.storage_options)
     target_dir = resolve_target(recipe.target, recipe.model.revision)
     tokenizer_dir = recipe.tokenizer.path or target_dir
     sample_tokenizer = make_sample_tokenizer(recipe, tokenizer_dir)
@@ -137,11 +137,13 @@ def run_extraction(
         )
     ]
     done = committed_shard_ids(location)
-    todo = [u for u in units if u.shard_id not in done]
+    part = recipe.partition
+    mine = [u for u in units if u.index % part.world_size == part.rank]
+    todo = [u for u in mine if u.shard_id not in done]
     unit_rejects = UnitRejects(location)
     unit_rejects.load([u for u in units if u.shard_id in done])
     summary.num_units = len(units)
-    summary.num_units_skipped = len(units) - len(todo)
+    summary.num_units_skipped = len(mine) - len(todo)
     if summary.num_units_skipped:
         logger.info(
             "resuming: %d of %d units already committed", summary.num_units_skipped, len(units)
@@ -154,6 +156,7 @@ def run_extraction(
         spec = WorkerSpec(
             target=target_dir,
             store=recipe.store,
+            storage_options=dict(recipe.storage_options),
             features=tuple(features),
             aux_layer_ids=tuple(aux_layer_ids),
             final_hidden_state=recipe.capture.final_hidden_state,
@@ -181,21 +184,36 @@ def run_extraction(
             on_commit,
             unit_rejects,
         )
+    from hsstore.commit import read_manifest
+    from hsstore.gc import collect_garbage
+
+    # Other ranks (partition.world_size > 1) may still be writing: their attempt folders and
+    # manifest temp files are not garbage until every unit is committed.
+    pending_elsewhere = [u for u in units if u.shard_id not in committed_shard_ids(location)]
+    summary.num_units_elsewhere = len(pending_elsewhere)
+    if part.world_size > 1 and not pending_elsewhere:
+        # The last rank to finish: every rank's worker rejections are on disk now.
+        unit_rejects = UnitRejects(location)
+        unit_rejects.load(units)
     _count_worker_rejections(summary, units, unit_rejects)
     if unit_rejects.by_unit:
         write_rejects(location, plan.rejections + unit_rejects.rejections())
 
-    from hsstore.commit import read_manifest
-    from hsstore.gc import collect_garbage
-
-    # Every unit is committed now, so any other shard folder is a dead attempt (a killed worker
-    # or driver, a retried unit): remove it, so that a finished run leaves a store that verifies
-    # without findings.
-    removed = collect_garbage(location, min_age_s=0.0) + remove_dead_temp_files(location)
-    if removed:
+    if pending_elsewhere:
         logger.info(
-            "removed %d dead shard attempt(s) left by earlier crashes or retries", len(removed)
+            "%d unit(s) of other partition ranks are not committed yet; the last rank to finish "
+            "cleans up and writes the complete rejects file",
+            len(pending_elsewhere),
         )
+    else:
+        # Every unit is committed now, so any other shard folder is a dead attempt (a killed
+        # worker or driver, a retried unit): remove it, so that a finished run leaves a store
+        # that verifies without findings.
+        removed = collect_garbage(location, min_age_s=0.0) + remove_dead_temp_files(location)
+        if removed:
+            logger.info(
+                "removed %d dead shard attempt(s) left by earlier crashes or retries", len(removed)
+            )
     manifest = read_manifest(location)
     summary.store_bytes = manifest.num_bytes if manifest else 0
     summary.wall_seconds = time.perf_counter() - wall_start

@@ -160,6 +160,26 @@ class UnitsSection(RecipeModel):
     )
 
 
+class PartitionSection(RecipeModel):
+    """Share-nothing extraction: several processes (nodes) fill one store, each its own units.
+
+    Every process plans the same units (planning is deterministic) and extracts those with
+    ``unit index % world_size == rank``, committing to the shared store (commits are conditional
+    writes, so concurrent commits lose nothing). Not part of the lineage: every rank runs the same
+    extraction. The process that sees every unit committed at its end cleans up dead attempts and
+    writes the complete rejects file; a rerun of any rank resumes it.
+    """
+
+    rank: int = Field(0, ge=0, description="this process's share of the units")
+    world_size: int = Field(1, ge=1, description="processes sharing the units")
+
+    @model_validator(mode="after")
+    def _rank_in_range(self) -> PartitionSection:
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank ({self.rank}) must be < world_size ({self.world_size})")
+        return self
+
+
 class RaySection(RecipeModel):
     """The Ray executor: one actor per GPU, or N CPU actors."""
 
@@ -184,6 +204,11 @@ class ExtractRecipe(RecipeModel):
     target: str = Field(description="local model directory or hub id (AutoModelForCausalLM)")
     data: list[str] = Field(min_length=1, description="JSONL / Parquet files or fsspec URLs")
     store: str = Field(description="store URL (path, file://, memory://, s3://...)")
+    storage_options: dict[str, object] = Field(
+        default_factory=dict,
+        description="fsspec options for the store URL (e.g. {client_kwargs: {endpoint_url: ...}}); "
+        "by default s3fs reads the AWS environment (AWS_ENDPOINT_URL, keys, profile)",
+    )
     limit: int | None = Field(None, ge=1, description="read at most this many records (smoke runs)")
     executor: Literal["local", "ray"] = Field(
         "ray", description="ray: actors (local Ray by default); local: same worker code in process"
@@ -195,6 +220,7 @@ class ExtractRecipe(RecipeModel):
     batching: BatchingSection = Field(default_factory=BatchingSection)
     units: UnitsSection = Field(default_factory=UnitsSection)
     ray: RaySection = Field(default_factory=RaySection)
+    partition: PartitionSection = Field(default_factory=PartitionSection)
 
     @field_validator("data", mode="before")
     @classmethod

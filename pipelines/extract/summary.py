@@ -26,6 +26,7 @@ class ExtractionSummary:
     num_tokens_written: int = 0
     num_units: int = 0
     num_units_skipped: int = 0
+    num_units_elsewhere: int = 0  # other partition ranks' units not committed when this run ended
     rejected: dict[str, int] = field(default_factory=dict)
     num_truncated: int = 0
     num_padded_tokens: int = 0
@@ -87,7 +88,9 @@ class ExtractionSummary:
             f"samples          {self.num_samples} ({self.num_samples_written} written now, "
             f"{self.num_samples - self.num_samples_written} already committed)",
             f"tokens           {self.num_tokens} ({self.num_loss_tokens} with loss)",
-            f"units            {self.num_units} ({self.num_units_skipped} skipped: already committed)",
+            f"units            {self.num_units} ({self.num_units_skipped} skipped: already committed"
+            + (f"; {self.num_units_elsewhere} of other ranks pending" if self.num_units_elsewhere else "")
+            + ")",
             f"rejected         {self.num_rejected}: {rejected}",
             f"rejects file     {self.rejects_path}",
             f"truncated        {self.num_truncated}",
