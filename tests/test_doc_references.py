@@ -20,3 +20,17 @@ def test_every_doc_the_code_names_exists() -> None:
         if re.search(r"(?<![\w/])DESIGN\.md", text):
             missing.append(f"{path.relative_to(REPO)}: DESIGN.md (not in the repository; use docs/design.md)")
     assert missing == []
+
+
+def test_reference_recipes_need_nothing_outside_the_repository() -> None:
+    """The README's commands run on a fresh clone: the reference recipes name bundled files only."""
+    import yaml
+
+    recipes = sorted((REPO / "recipes" / "reference").glob("*.yaml"))
+    assert recipes
+    for path in recipes:
+        assert all("../" not in line.split("#", 1)[0] for line in path.read_text().splitlines()), path
+        recipe = yaml.safe_load(path.read_text())
+        named = [*(recipe.get("data") or []), recipe.get("prompts"), recipe.get("target")]
+        for name in filter(None, named):
+            assert (REPO / name).exists(), f"{path.name}: {name}"

@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
+import hsstore
 from hsstore.aux_layers import AUX_HIDDEN_STATES, TEACHER_FEATURES
-from hsstore.errors import LineageMismatchError
+from hsstore.errors import LineageMismatchError, RecipeError
 from pipelines.evaluate.recipe import DecodeSetting, ProxyConfig
 from pipelines.models.eagle3 import Eagle3Draft
 
@@ -43,6 +44,31 @@ def predicted_chain_length(accuracies: list[float | None], num_draft_tokens: int
     return expected
 
 
+def open_proxy_store(config: ProxyConfig, draft: Eagle3Draft | None = None) -> hsstore.Store:
+    """The proxy's store, checked: it exists and (given the draft) holds the draft's aux layers.
+
+    The evaluation calls this before decoding anything, so that a wrong ``proxy.store`` fails in
+    a second instead of after every prompt of every setting (whose results would be lost)."""
+    import hsstore
+
+    try:
+        store = hsstore.open_store(config.store)
+    except (hsstore.StoreNotFoundError, hsstore.ManifestError) as err:
+        raise RecipeError(f"proxy.store: {err}") from err
+    if draft is not None:
+        check_proxy_layers(store, config, draft)
+    return store
+
+
+def check_proxy_layers(store: hsstore.Store, config: ProxyConfig, draft: Eagle3Draft) -> None:
+    stored_aux = list(store.lineage.aux_layer_ids)
+    if stored_aux != list(draft.config.aux_layer_ids):
+        raise LineageMismatchError(
+            f"{config.store}: lineage aux_layer_ids {stored_aux} differ from the draft's "
+            f"{draft.config.aux_layer_ids}; the proxy needs a store of the layers the draft reads"
+        )
+
+
 @torch.no_grad()
 def offline_proxy(
     draft: Eagle3Draft,
@@ -50,21 +76,16 @@ def offline_proxy(
     target_dir: str,
     settings: list[DecodeSetting],
     device: torch.device,
+    store: hsstore.Store | None = None,
 ) -> dict[str, Any]:
-    """Per-depth TTT accuracy of ``draft`` on (a part of) ``config.store``."""
-    import hsstore
+    """Per-depth TTT accuracy of ``draft`` on (a part of) ``config.store`` (``store``: that store,
+    opened by :func:`open_proxy_store` already)."""
     from pipelines.train.lineage_check import choose_teacher
     from pipelines.train.target_heads import load_target_heads
     from pipelines.train.teacher import build_teacher
     from pipelines.train.ttt import ttt_forward
 
-    store = hsstore.open_store(config.store)
-    stored_aux = list(store.lineage.aux_layer_ids)
-    if stored_aux != list(draft.config.aux_layer_ids):
-        raise LineageMismatchError(
-            f"{config.store}: lineage aux_layer_ids {stored_aux} differ from the draft's "
-            f"{draft.config.aux_layer_ids}; the proxy needs a store of the layers the draft reads"
-        )
+    store = open_proxy_store(config, draft) if store is None else store
     teacher_mode = choose_teacher(store, "auto")
     lm_head = None
     if teacher_mode == "final_hidden":

@@ -103,10 +103,17 @@ def run_evaluation(recipe: EvaluateRecipe) -> dict[str, Any]:
 
     device, dtype = resolve_device(recipe.device), resolve_dtype(recipe.dtype)
     torch.manual_seed(recipe.seed)
+    proxy_store = None
+    if recipe.proxy is not None:
+        from pipelines.evaluate.proxy import check_proxy_layers, offline_proxy, open_proxy_store
+
+        proxy_store = open_proxy_store(recipe.proxy)  # a missing store fails now, not after decoding
     model = load_causal_lm(recipe.target, dtype, device, recipe.attn_implementation)
     draft, draft_format = load_evaluation_draft(
         recipe.draft, model, dtype, device, recipe.aux_layer_ids
     )
+    if recipe.proxy is not None and proxy_store is not None:
+        check_proxy_layers(proxy_store, recipe.proxy, draft)
     target = TargetModel(model, list(draft.config.aux_layer_ids))
     drafter = TreeDrafter(draft, target)
     for i, setting in enumerate(recipe.settings):
@@ -203,9 +210,7 @@ def run_evaluation(recipe: EvaluateRecipe) -> dict[str, Any]:
 
     proxy = None
     if recipe.proxy is not None:
-        from pipelines.evaluate.proxy import offline_proxy
-
-        proxy = offline_proxy(draft, recipe.proxy, recipe.target, recipe.settings, device)
+        proxy = offline_proxy(draft, recipe.proxy, recipe.target, recipe.settings, device, proxy_store)
 
     acceptance = {s["name"]: s["acceptance_length"] for s in settings_out}
     results_dict: dict[str, Any] = {

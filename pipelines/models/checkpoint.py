@@ -34,14 +34,28 @@ class DraftCheckpointError(HsstoreError, ValueError):
     """A draft directory or weight file is missing, malformed or of the wrong shape."""
 
 
+# A training run's folder (pipelines.train.trainer): RUN/checkpoints/{step_*, final}/draft.
+RUN_CHECKPOINTS_DIR = "checkpoints"
+FINAL_CHECKPOINT = "final"
+
+
 def resolve_draft_dir(path: str | os.PathLike[str]) -> Path:
-    """``CHECKPOINT/draft`` when present, else ``path`` itself if it holds a draft."""
+    """The draft directory ``path`` names: a training run's folder (its final checkpoint), a
+    checkpoint (``CHECKPOINT/draft``), or a directory holding the draft's files itself."""
     path = Path(path)
-    for candidate in (path / "draft", path):
+    run_final = path / RUN_CHECKPOINTS_DIR / FINAL_CHECKPOINT / "draft"
+    for candidate in (path / "draft", path, run_final):
         if (candidate / CONFIG_NAME).is_file():
             return candidate
+    steps = sorted(p.name for p in (path / RUN_CHECKPOINTS_DIR).glob("step_*")) if (path / RUN_CHECKPOINTS_DIR).is_dir() else []
+    if steps:
+        raise DraftCheckpointError(
+            f"{path}: a training run without a final checkpoint (it did not finish); name one of "
+            f"its checkpoints instead, e.g. {path / RUN_CHECKPOINTS_DIR / steps[-1]}"
+        )
     raise DraftCheckpointError(
-        f"{path}: no draft found (expected {path}/draft/{CONFIG_NAME} from the trainer, or "
+        f"{path}: no draft found (expected a training run's folder with "
+        f"{RUN_CHECKPOINTS_DIR}/{FINAL_CHECKPOINT}/, a checkpoint with draft/{CONFIG_NAME}, or "
         f"{CONFIG_NAME} + {WEIGHTS_NAME} directly in the directory)"
     )
 

@@ -310,3 +310,29 @@ def test_a_tree_wider_than_the_draft_vocabulary_is_refused(
         RecipeError, match=r"settings.1 \(tree-9000-2-8-greedy\): draft_top_k=9000 exceeds the 8192"
     ):
         run_evaluation(recipe)
+
+
+def test_a_missing_proxy_store_is_refused_before_anything_runs(
+    tmp_path: Path, reference_target: Path, shared_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """proxy.store is checked first: a typo costs a second, not every prompt of every setting."""
+    import pipelines.evaluate.runner as runner
+
+    def no_model(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the target was loaded before proxy.store was checked")
+
+    monkeypatch.setattr(runner, "load_causal_lm", no_model)
+    recipe = build_recipe(
+        EvaluateRecipe,
+        recipe_dict(
+            target=str(reference_target),
+            draft=str(tmp_path / "draft"),
+            prompts=str(shared_data / "eval_prompts.jsonl"),
+            output_dir=str(tmp_path / "out"),
+            device="cpu",
+            proxy={"store": str(tmp_path / "no-such-store")},
+        ),
+    )
+    with pytest.raises(RecipeError, match=r"proxy.store: .*no-such-store: no committed store here"):
+        run_evaluation(recipe)
+    assert not (tmp_path / "out").exists()

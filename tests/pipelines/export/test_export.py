@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -181,3 +183,59 @@ def test_cli_export(tmp_path, capsys):
     )
     assert code == 1
     assert "no draft found" in capsys.readouterr().err
+
+
+def _training_run(root, draft, *, final=True):
+    """A run folder laid out by the trainer's own checkpoint writer."""
+    from pipelines.train.checkpoint import FINAL_NAME, save_checkpoint
+
+    optimizer = torch.optim.SGD([p for p in draft.parameters() if p.requires_grad], lr=0.1)
+    save_checkpoint(root / "checkpoints", "step_000002", draft, optimizer, {"step": 2})
+    if final:
+        save_checkpoint(root / "checkpoints", FINAL_NAME, draft, optimizer, {"step": 4})
+    return root
+
+
+def test_cli_export_accepts_the_training_run_folder(tmp_path, capsys):
+    """`hsstore export runs/X --format eagle3 --out DIR`, as the README has a user type it."""
+    draft = tiny_draft()
+    run = _training_run(tmp_path / "runs" / "reference-eagle3", draft)
+    code = hsstore_main(["export", str(run), "--format", "eagle3", "--out", str(tmp_path / "out")])
+    assert code == 0, capsys.readouterr().err
+    reloaded = load_draft(tmp_path / "out", embed_tokens=draft.embed_tokens.weight)
+    assert reloaded.config == draft.config
+    torch.testing.assert_close(logits(reloaded).float(), logits(draft.to(torch.bfloat16)).float())
+
+    unfinished = _training_run(tmp_path / "runs" / "interrupted", tiny_draft(), final=False)
+    code = hsstore_main(["export", str(unfinished), "--out", str(tmp_path / "o2")])
+    assert code == 1
+    assert "did not finish" in (err := capsys.readouterr().err) and "step_000002" in err
+
+
+def test_export_is_readable_by_other_users(tmp_path):
+    """A serving engine running as another user must read the export, whatever the umask."""
+    save_draft(tiny_draft(), tmp_path / "ckpt" / "draft")
+    previous = os.umask(0o077)
+    try:
+        out = export_draft(tmp_path / "ckpt", "eagle3", tmp_path / "out")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    for name in ("config.json", "model.safetensors"):
+        assert stat.S_IMODE((out / name).stat().st_mode) == 0o644
+
+
+def test_export_can_include_embed_tokens_for_speculators(tmp_path, capsys):
+    draft = tiny_draft()
+    save_draft(draft, tmp_path / "ckpt" / "draft")
+    code = hsstore_main(
+        ["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--include-embed-tokens"]
+    )
+    assert code == 0, capsys.readouterr().err
+    tensors = exported_tensors(tmp_path / "out")
+    layout = {**EAGLE3_LAYOUT, "embed_tokens.weight": ((V, H), torch.bfloat16)}
+    assert {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()} == layout
+    assert torch.equal(tensors["embed_tokens.weight"], draft.embed_tokens.weight.to(torch.bfloat16))
+    reloaded = load_draft(tmp_path / "out")  # no target embedding needed now
+    assert torch.equal(reloaded.embed_tokens.weight, tensors["embed_tokens.weight"])
+    assert "embed_tokens.weight" not in exported_tensors(export_draft(tmp_path / "ckpt", "eagle3", tmp_path / "plain"))
