@@ -143,7 +143,8 @@ def make_recipe(store: Path, target: Path, out: Path, args: argparse.Namespace, 
     data: dict[str, Any] = {
         "store": str(store), "target": str(target), "output_dir": str(out), "device": args.device,
         "draft": {"vocab": {"draft_vocab_size": args.draft_vocab}},
-        "loader": {"token_budget": args.token_budget, "shuffle_window": 256, "read_threads": args.read_threads},
+        "loader": {"token_budget": args.token_budget, "shuffle_window": 256, "read_threads": args.read_threads,
+                   "rows_per_batch": args.rows},
         "optimizer": {"lr": args.lr}, "schedule": {"warmup_steps": max(1, args.steps // 10)},
         "log_every": max(1, args.steps // 5), "seed": 0,
     }
@@ -186,10 +187,13 @@ class OnlineFeatures:
 
 
 def throughput(recipe: TrainRecipe, steps: int, warmup: int, online_model: Any | None) -> dict[str, float]:
-    """Tokens/s of ``steps`` training steps (after ``warmup``), fed from the store or online."""
+    """Tokens/s of ``steps`` training steps (after ``warmup``), fed from the store or online: the
+    trainer's own objective, loss and optimizer (``pipelines.train.trainer``), one GPU."""
+    from pipelines.train.distributed import Distributed
     from pipelines.train.lineage_check import choose_teacher
+    from pipelines.train.objective import objective_loss
     from pipelines.train.target_heads import load_target_heads
-    from pipelines.train.trainer import Distributed, build_draft, train_step_draft
+    from pipelines.train.trainer import build_draft, build_objective
 
     device = torch.device(recipe.device)
     store = hsstore.open_store(recipe.store)
@@ -197,23 +201,28 @@ def throughput(recipe: TrainRecipe, steps: int, warmup: int, online_model: Any |
     torch.manual_seed(0)
     draft = build_draft(recipe, store, heads, Path(recipe.output_dir), is_main=True).to(device)
     draft.embed_tokens.weight.requires_grad_(False)
-    params = [p for p in draft.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=recipe.optimizer.lr)
     teacher = choose_teacher(store, "auto")
+    objective = build_objective(recipe, draft, teacher, heads, device)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=recipe.optimizer.lr, fused=device.type == "cuda")
     # Online reads only token ids and packing metadata: the target computes the features.
     features = ["aux_hidden_states", "final_hidden_state"] if online_model is None else []
     loader = StreamingLoader(store, features, token_budget=recipe.loader.token_budget, seed=0,
+                             rows_per_batch=recipe.loader.rows_per_batch,
                              shuffle_window=recipe.loader.shuffle_window, read_threads=recipe.loader.read_threads)
     timer = WaitTimer(loader.batches())
     online = OnlineFeatures(online_model, list(store.lineage.aux_layer_ids)) if online_model is not None else None
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    dist_state = Distributed(device=device)
     tokens = 0
     wait = 0.0
     started = 0.0
+    scored = torch.zeros(recipe.ttt_length, dtype=torch.float64, device=device)
     for step in range(warmup + steps):
         if step == warmup:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
             started, tokens, wait = time.perf_counter(), 0, 0.0
         host = next(timer)
         wait += timer.last_wait
@@ -223,16 +232,57 @@ def throughput(recipe: TrainRecipe, steps: int, warmup: int, online_model: Any |
                 batch.features = online(batch)  # replaces the (unused) aux read with the target's forward
         if device.type == "cpu":
             batch.features = {k: v.float() for k, v in batch.features.items()}
-        loss, _ = train_step_draft(draft, batch, heads, teacher, recipe, Distributed(device=device), autocast)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        with autocast:
+            out = objective(batch.features, batch.input_ids, batch.position_ids, batch.loss_mask, batch.doc_ids)
+        counts = torch.stack(out.counts).to(torch.float64)
+        objective_loss(out, counts, recipe.loss_decay, False, dist_state.world_size).backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         tokens += batch.num_real_tokens
+        if step >= warmup:
+            scored += counts
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - started
-    return {"tokens_per_s": tokens / elapsed, "data_wait_frac": wait / elapsed, "tokens": tokens, "seconds": elapsed}
+    result = {"tokens_per_s": tokens / elapsed, "data_wait_frac": wait / elapsed, "tokens": tokens, "seconds": elapsed,
+              "scored_fraction": float(scored.mean()) / max(tokens, 1)}
+    if device.type == "cuda":
+        from benchmarks.profile_train_step import step_flops_per_token
+
+        flops = step_flops_per_token(draft.config, recipe.ttt_length, result["scored_fraction"]) * tokens
+        result["model_tflops"] = flops / elapsed / 1e12
+        result["mfu"] = result["model_tflops"] / 989.0  # the H100/H200 dense bf16 datasheet rate
+        result["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return result
+
+
+def ddp_throughput(store: Path, target: Path, workdir: Path, args: argparse.Namespace, gpus: int) -> dict[str, Any]:
+    """``torchrun --nproc_per_node gpus -m pipelines.cli train``: the real trainer, steady tokens/s
+    as the median of its log windows after the first (compilation and warmup)."""
+    import subprocess
+
+    out = workdir / f"ddp-{gpus}"
+    shutil.rmtree(out, ignore_errors=True)
+    overrides = [
+        f"store={store}", f"target={target}", f"output_dir={out}", "device=cuda", f"max_steps={args.ddp_steps}",
+        f"loader.token_budget={args.token_budget}", "loader.shuffle_window=256", "log_every=5", "verify_weights=false",
+        f"draft.vocab.draft_vocab_size={args.draft_vocab}", "schedule.warmup_steps=5",
+    ]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", "-m", "pipelines.cli", "train",
+               str(REPO / "recipes" / "qwen3" / "qwen3-8b-eagle3-train.yaml")]
+    for item in overrides:
+        command += ["--set", item]
+    started = time.perf_counter()
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=args.ddp_timeout)
+    if proc.returncode != 0:
+        return {"gpus": gpus, "error": proc.stderr[-3000:]}
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steady = sorted(r["tokens_per_s"] for r in records[1:]) or [records[-1]["tokens_per_s"]]
+    summary = json.loads((out / "summary.json").read_text())
+    return {"gpus": gpus, "tokens_per_s_steady": steady[len(steady) // 2], "tokens_per_s_run": summary["tokens_per_s"],
+            "data_wait_frac": summary["data_wait_frac"], "steps": summary["steps"], "wall_s": time.perf_counter() - started,
+            "windows": [round(r["tokens_per_s"]) for r in records]}
 
 
 # -- codec quality ------------------------------------------------------------------------------
@@ -263,6 +313,10 @@ def held_out_accuracy(checkpoint: Path, eval_store: Path, token_budget: int, dev
     return [round(float(c / max(n, 1)), 4) for c, n in zip(correct, count, strict=True)]
 
 
+class _SkipQuality(Exception):
+    pass
+
+
 # -- main ---------------------------------------------------------------------------------------
 
 
@@ -281,6 +335,12 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--workdir", default=None, help="keep stores here (default: a temp dir, removed)")
     parser.add_argument("--out", default=None, help="write the results as JSON")
+    parser.add_argument("--rows", type=int, default=1, help="packed rows per step")
+    parser.add_argument("--modes", nargs="+", default=["store", "online"], help="store and/or online")
+    parser.add_argument("--skip-quality", action="store_true", help="skip the bf16-vs-fp8 held-out accuracy part")
+    parser.add_argument("--ddp-gpus", nargs="*", type=int, default=[], help="torchrun the qwen3-8b trainer on these GPU counts")
+    parser.add_argument("--ddp-steps", type=int, default=40)
+    parser.add_argument("--ddp-timeout", type=int, default=300)
     args = parser.parse_args()
     cuda = args.device.startswith("cuda")
     quick = args.quick or not cuda
@@ -300,7 +360,8 @@ def main() -> int:
     try:
         extract_device = "cuda" if cuda else "cpu"
         ref_bf16 = workdir / "ref-bf16"
-        if not ref_bf16.exists():  # the reference shape's store and the bf16 side of the codec comparison
+        needs_reference = "reference" in shapes or not args.skip_quality
+        if needs_reference and not ref_bf16.exists():  # the reference shape's store and the bf16 side of the codec comparison
             extract_reference(ref_bf16, TRAIN_DATA, args.records, args.max_length, "bf16", extract_device)
         for shape in shapes:
             if shape == "reference":
@@ -313,21 +374,30 @@ def main() -> int:
                 model, target_dir = random_target(workdir, device)
                 store = workdir / "qwen3-8b-bf16"
                 if not store.exists():
-                    # Enough for warmup + timed steps (bf16 aux + final: 32 KB/token at this shape).
-                    extract_random(model, target_dir, store, num_tokens=(args.steps + 4) * args.token_budget,
+                    # Enough for warmup + timed steps, and for every rank of the DDP runs
+                    # (bf16 aux + final: 32 KB/token at this shape).
+                    steps_needed = max(args.steps + 4, max(args.ddp_gpus or [1]) * (args.ddp_steps + 2) if args.ddp_gpus else 0)
+                    extract_random(model, target_dir, store, num_tokens=int(steps_needed * args.token_budget * args.rows * 1.1),
                                    max_length=args.max_length)
             else:
                 raise SystemExit(f"unknown shape {shape!r} (reference, qwen3-8b)")
             row = {}
-            for mode in ("store", "online"):
+            for mode in args.modes:
                 recipe = make_recipe(store, target_dir, workdir / f"out-{shape}-{mode}", args, verify_weights=False)
-                row[mode] = throughput(recipe, args.steps, warmup=2, online_model=model if mode == "online" else None)
+                row[mode] = throughput(recipe, args.steps, warmup=3, online_model=model if mode == "online" else None)
                 print(f"{shape} {mode}: {row[mode]}", flush=True)
             results["throughput"][shape] = row
             del model
             if cuda:
                 torch.cuda.empty_cache()
+            if shape == "qwen3-8b" and args.ddp_gpus:
+                results["ddp"] = {}
+                for gpus in args.ddp_gpus:
+                    results["ddp"][f"gpus_{gpus}"] = ddp_throughput(store, target_dir, workdir, args, gpus)
+                    print(f"ddp {gpus}: {results['ddp'][f'gpus_{gpus}']}", flush=True)
 
+        if args.skip_quality:
+            raise _SkipQuality
         # bf16 vs fp8 after the same tokens, measured on held-out records.
         from pipelines.train.trainer import run_training
 
@@ -347,6 +417,8 @@ def main() -> int:
                 Path(summary["checkpoint"]), held_out, args.token_budget, device)}
             print(f"quality {codec}: {quality[codec]}", flush=True)
         results["quality"] = quality
+    except _SkipQuality:
+        pass
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -359,12 +431,23 @@ def main() -> int:
 
 def format_table(results: dict[str, Any]) -> str:
     lines = [f"device: {results['device']}", "",
-             "| shape | store tokens/s | online tokens/s | store / online | store data wait |",
-             "|---|---:|---:|---:|---:|"]
+             "| shape | store tokens/s | online tokens/s | store / online | store data wait | MFU | peak GiB |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for shape, row in results["throughput"].items():
-        s, o = row["store"], row["online"]
-        lines.append(f"| {shape} | {s['tokens_per_s']:,.0f} | {o['tokens_per_s']:,.0f} | "
-                     f"{s['tokens_per_s'] / o['tokens_per_s']:.2f}x | {100 * s['data_wait_frac']:.1f}% |")
+        s, o = row.get("store"), row.get("online")
+        cells = [f"{s['tokens_per_s']:,.0f}" if s else "-", f"{o['tokens_per_s']:,.0f}" if o else "-",
+                 f"{s['tokens_per_s'] / o['tokens_per_s']:.2f}x" if s and o else "-",
+                 f"{100 * s['data_wait_frac']:.1f}%" if s else "-",
+                 f"{100 * s['mfu']:.1f}%" if s and "mfu" in s else "-", f"{s['peak_gib']:.1f}" if s and "peak_gib" in s else "-"]
+        lines.append(f"| {shape} | " + " | ".join(cells) + " |")
+    if results.get("ddp"):
+        lines += ["", "| torchrun GPUs | steady tokens/s (all GPUs) | per GPU | run tokens/s | data wait |", "|---:|---:|---:|---:|---:|"]
+        for row in results["ddp"].values():
+            if "error" in row:
+                lines.append(f"| {row['gpus']} | error | | | |")
+                continue
+            lines.append(f"| {row['gpus']} | {row['tokens_per_s_steady']:,.0f} | {row['tokens_per_s_steady'] / row['gpus']:,.0f} | "
+                         f"{row['tokens_per_s_run']:,.0f} | {100 * row['data_wait_frac']:.1f}% |")
     if "quality" in results:
         lines += ["", "| store codec | training tokens | held-out accuracy, depth 0..6 |", "|---|---:|---|"]
         for codec, row in results["quality"].items():
