@@ -1,13 +1,18 @@
-"""Where every sample of a store is: the loader's catalog, built once from the sample tables."""
+"""Where every sample of a store is: the loader's catalog, built from the manifest (the sample
+tables of stores written before ``ShardRecord.sample_tokens``)."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
+from hsstore.errors import ShardCorruptError
+from hsstore.manifest import decode_sample_tokens
 from hsstore.store import Store
 
 
@@ -23,7 +28,7 @@ class SampleCatalog:
     row_of: np.ndarray  # int32 [N]
     token_offset: np.ndarray  # int64 [N]
     num_tokens: np.ndarray  # int64 [N]
-    sample_names: list[str]
+    sample_names: Sequence[str]
     columns: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -40,12 +45,7 @@ class SampleCatalog:
         table = self.store.shard_samples(self.shard_ids[shard])
         ids = table.column("input_ids").combine_chunks()
         mask = table.column("loss_mask").combine_chunks()
-        columns = (
-            ids.values.to_numpy(zero_copy_only=False),
-            ids.offsets.to_numpy(),
-            mask.values.to_numpy(zero_copy_only=False),
-            mask.offsets.to_numpy(),
-        )
+        columns = (_as_numpy(ids.values), _as_numpy(ids.offsets), _as_numpy(mask.values), _as_numpy(mask.offsets))
         with self._lock:
             self.columns[shard] = columns
         return columns
@@ -57,35 +57,81 @@ class SampleCatalog:
         return ids[ids_off[row] : ids_off[row] + length], mask[mask_off[row] : mask_off[row] + length]
 
 
+# Sample tables fetched at once when a manifest lacks per-sample lengths (stores written before
+# ShardRecord.sample_tokens): on object storage each is a GET with a round trip of milliseconds.
+CATALOG_READS_IN_FLIGHT = 32
+
+
 def build_catalog(store: Store) -> SampleCatalog:
-    """The catalog of every committed sample of ``store`` (reads each shard's sample table)."""
-    shard_ids: list[str] = []
-    counts: list[int] = []
-    shard_of: list[np.ndarray] = []
-    row_of: list[np.ndarray] = []
-    offsets: list[np.ndarray] = []
-    lengths: list[np.ndarray] = []
-    names: list[str] = []
-    for index, shard in enumerate(store.shards):
-        table = store.shard_samples(shard.shard_id)
-        shard_ids.append(shard.shard_id)
-        counts.append(table.num_rows)
-        shard_of.append(np.full(table.num_rows, index, dtype=np.int32))
-        row_of.append(np.arange(table.num_rows, dtype=np.int32))
-        offsets.append(table.column("token_offset").to_numpy().astype(np.int64))
-        lengths.append(table.column("num_tokens").to_numpy().astype(np.int64))
-        names.extend(f"{sid} (shard {shard.shard_id})" for sid in table.column("sample_id").to_pylist())
-
-    def cat(parts: list[np.ndarray], dtype: Any) -> np.ndarray:
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
-
+    """The catalog of every committed sample of ``store``, from the manifest alone
+    (``ShardRecord.sample_tokens``; offsets are the running sums, as the format requires), so that
+    planning an epoch costs no request per shard: on object storage, 1,000 shards read one by one
+    would take seconds before step 1. Shards recorded without the lengths (older stores) have their
+    sample tables read, many in flight."""
+    shards = store.shards
+    lengths: list[np.ndarray | None] = [
+        None if shard.sample_tokens is None else decode_sample_tokens(shard.sample_tokens) for shard in shards
+    ]
+    missing = [i for i, found in enumerate(lengths) if found is None]
+    if missing:
+        threads = 1 if store.location.is_local else min(CATALOG_READS_IN_FLIGHT, len(missing))
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hsstore-catalog") as pool:
+            tables = list(pool.map(store.shard_samples, [shards[i].shard_id for i in missing]))
+        for i, table in zip(missing, tables, strict=True):
+            lengths[i] = table.column("num_tokens").to_numpy().astype(np.int64)
+    known = [found for found in lengths if found is not None]
+    counts = [len(found) for found in known]
+    num_tokens = np.concatenate(known).astype(np.int64) if known else np.zeros(0, np.int64)
+    shard_of = np.repeat(np.arange(len(shards), dtype=np.int32), counts)
+    starts = (np.cumsum(counts) - counts).astype(np.int64)
+    row_of = (np.arange(len(num_tokens)) - starts[shard_of]).astype(np.int32)
+    # token_offset: the running sum of the lengths within each shard (checked by hsstore verify).
+    before = np.cumsum(num_tokens) - num_tokens
+    token_offset = before - before[starts[shard_of]] if len(num_tokens) else np.zeros(0, np.int64)
+    shard_ids = [shard.shard_id for shard in shards]
     return SampleCatalog(
         store=store,
         shard_ids=shard_ids,
         shard_sample_counts=counts,
-        shard_of=cat(shard_of, np.int32),
-        row_of=cat(row_of, np.int32),
-        token_offset=cat(offsets, np.int64),
-        num_tokens=cat(lengths, np.int64),
-        sample_names=names,
+        shard_of=shard_of,
+        row_of=row_of,
+        token_offset=token_offset.astype(np.int64),
+        num_tokens=num_tokens,
+        sample_names=SampleNames(store, shard_ids, shard_of, row_of),
     )
+
+
+class SampleNames(Sequence[str]):
+    """``"<sample_id> (shard <id>)"`` of a global sample index, for error messages: read from the
+    shard's sample table only when a message needs it (planning needs no table)."""
+
+    def __init__(self, store: Store, shard_ids: list[str], shard_of: np.ndarray, row_of: np.ndarray):
+        self._store, self._shard_ids, self._shard_of, self._row_of = store, shard_ids, shard_of, row_of
+
+    def __len__(self) -> int:
+        return len(self._shard_of)
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+
+    def __getitem__(self, index: int | slice) -> str | list[str]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        shard_id = self._shard_ids[int(self._shard_of[index])]
+        try:
+            sample_id = self._store.shard_samples(shard_id).column("sample_id")[int(self._row_of[index])].as_py()
+        except (ShardCorruptError, OSError):
+            sample_id = f"#{int(self._row_of[index])}"
+        return f"{sample_id} (shard {shard_id})"
+
+
+def _as_numpy(array: Any) -> np.ndarray:
+    """A primitive Arrow array without nulls as a numpy view of its data buffer. (pyarrow's
+    ``to_numpy`` imports pandas on first use: ~1 s before the first batch of every process.)"""
+    if array.null_count:
+        raise ShardCorruptError(f"unexpected nulls in a sample table column ({array.type})")
+    dtype = np.dtype(str(array.type))  # int32 / int64 / uint8: arrow and numpy names agree
+    return np.frombuffer(array.buffers()[1], dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize)

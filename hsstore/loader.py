@@ -32,6 +32,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -49,6 +50,7 @@ from hsstore.packing import (
     layout_rows,
     plan_epoch,
 )
+from hsstore.read_cache import ReadCache
 from hsstore.store import Store, open_store
 
 logger = logging.getLogger(__name__)
@@ -85,8 +87,16 @@ class StreamingLoader:
         prefetch_batches: int = 4,
         skip_corrupt: bool = False,
         decode_on_host: bool = False,
+        storage_options: dict[str, Any] | None = None,
+        cache: ReadCache | None = None,
     ) -> None:
-        self.store = open_store(store) if isinstance(store, (str, os.PathLike)) else store
+        """``storage_options`` and ``cache`` apply when ``store`` is a URL (see :func:`open_store`);
+        a ``cache`` given with an open :class:`Store` is attached to it."""
+        if isinstance(store, (str, os.PathLike)):
+            store = open_store(store, storage_options=storage_options, cache=cache)
+        elif cache is not None:
+            store.cache = cache
+        self.store = store
         self.features = [name for name in features if name not in TABLE_FEATURES]
         missing = [name for name in self.features if name not in self.store.features]
         if missing:

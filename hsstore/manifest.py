@@ -7,12 +7,15 @@ garbage from a crashed writer and are never read.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import re
+import zlib
 from datetime import UTC, datetime
 from typing import Any
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hsstore.errors import ManifestError
@@ -78,6 +81,14 @@ class ShardRecord(BaseModel):
     checksum: str = Field(description="sha256 over the sorted (path, size, sha256) of its files")
     files: list[FileEntry]
     created_at: str = Field(default_factory=now_iso)
+    sample_tokens: str | None = Field(
+        default=None,
+        description=(
+            "every sample's token count in table order (int32 little-endian, zlib, base64; "
+            "encode_sample_tokens): a loader plans an epoch from the manifest alone instead of "
+            "reading every shard's sample table first. None in stores written before it existed"
+        ),
+    )
 
     @field_validator("shard_id")
     @classmethod
@@ -98,7 +109,35 @@ class ShardRecord(BaseModel):
             raise ValueError(f"num_bytes {self.num_bytes} != sum of its file sizes")
         if shard_checksum(self.files) != self.checksum:
             raise ValueError("checksum does not match the file list")
+        if self.sample_tokens is not None:
+            lengths = decode_sample_tokens(self.sample_tokens)
+            if len(lengths) != self.num_samples or int(lengths.sum()) != self.num_tokens:
+                raise ValueError(
+                    f"sample_tokens holds {len(lengths)} samples of {int(lengths.sum())} tokens, "
+                    f"the record says {self.num_samples} samples of {self.num_tokens}"
+                )
         return self
+
+
+def encode_sample_tokens(lengths: Any) -> str:
+    """Per-sample token counts as ShardRecord.sample_tokens: int32 LE, zlib, base64 (~1-2 bytes
+    per sample in the manifest: lengths compress well)."""
+    raw = np.asarray(lengths, dtype="<i4").tobytes()
+    return base64.b64encode(zlib.compress(raw, 6)).decode("ascii")
+
+
+def decode_sample_tokens(text: str) -> np.ndarray:
+    """The inverse of :func:`encode_sample_tokens` (int64 array)."""
+    try:
+        raw = zlib.decompress(base64.b64decode(text, validate=True))
+    except (ValueError, zlib.error) as err:
+        raise ValueError(f"sample_tokens is not base64 zlib int32 data ({err})") from err
+    if len(raw) % 4:
+        raise ValueError(f"sample_tokens decodes to {len(raw)} bytes, not a multiple of 4")
+    lengths = np.frombuffer(raw, dtype="<i4").astype(np.int64)
+    if np.any(lengths < 0):
+        raise ValueError("sample_tokens holds a negative length")
+    return lengths
 
 
 def shard_checksum(files: list[FileEntry]) -> str:

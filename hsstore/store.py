@@ -34,7 +34,8 @@ from hsstore.format.layout import (
 from hsstore.info import store_info
 from hsstore.lineage import Lineage
 from hsstore.location import StoreLocation
-from hsstore.manifest import ShardRecord, StoreManifest
+from hsstore.manifest import FileEntry, ShardRecord, StoreManifest
+from hsstore.read_cache import ReadCache
 
 if TYPE_CHECKING:
     import torch
@@ -43,14 +44,19 @@ if TYPE_CHECKING:
 class Store:
     """A committed store, pinned to the manifest read at open time."""
 
-    def __init__(self, location: StoreLocation, manifest: StoreManifest):
+    def __init__(self, location: StoreLocation, manifest: StoreManifest, cache: ReadCache | None = None):
         self.location = location
         self.manifest = manifest
+        # Remote stores only: bytes already fetched, kept locally (hsstore.read_cache).
+        self.cache = cache
         self._features = manifest.feature_map  # pinned with the manifest; looked up on every read
         self._shard_index = {shard.shard_id: i for i, shard in enumerate(manifest.shards)}
         self._tables: dict[str, pa.Table] = {}
         self._arrays: dict[tuple[str, str], Any] = {}
         self._lock = threading.Lock()
+        # One lock per table/array being opened: the loader's read threads often want the same
+        # shard at once, and each would otherwise send its own GETs for the same bytes.
+        self._opening: dict[Any, threading.Lock] = {}
         starts = [0]
         for shard in manifest.shards:
             starts.append(starts[-1] + shard.num_samples)
@@ -63,10 +69,10 @@ class Store:
         )
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"location": self.location, "manifest": self.manifest}
+        return {"location": self.location, "manifest": self.manifest, "cache": self.cache}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["location"], state["manifest"])  # type: ignore[misc]
+        self.__init__(state["location"], state["manifest"], state.get("cache"))  # type: ignore[misc]
 
     # -- what the manifest says ---------------------------------------------------------------
 
@@ -102,12 +108,39 @@ class Store:
 
     # -- the sample table ---------------------------------------------------------------------
 
+    def _opening_lock(self, key: Any) -> threading.Lock:
+        with self._lock:
+            return self._opening.setdefault(key, threading.Lock())
+
+    def _read_small_file(self, path: str, entry: FileEntry | None) -> bytes:
+        """A small file's bytes (a sample table, an array's zarr.json): from the read cache when a
+        remote store has one (keyed by the manifest's sha256, so a cached copy is the committed
+        one), else one GET (ranged to the manifest's size: s3fs sends a HEAD first otherwise)."""
+        if self.location.is_local or entry is None:
+            return self.location.read_bytes(path)
+        cache, key = self.cache, None
+        if cache is not None:
+            key = cache.key(entry.sha256, "file")
+            data = cache.get(key)
+            if data is not None and hashlib.sha256(data).hexdigest() == entry.sha256:
+                return data
+        data = bytes(self.location.fs.cat_file(self.location.path(path), start=0, end=entry.size)) if entry.size else b""
+        if cache is not None and key is not None:
+            cache.put(key, data)
+        return data
+
     def shard_samples(self, shard_id: str) -> pa.Table:
         """One shard's sample table, checked against the manifest's sha256 on first use."""
         with self._lock:
             table = self._tables.get(shard_id)
         if table is not None:
             return table
+        with self._opening_lock(("table", shard_id)):
+            with self._lock:
+                table = self._tables.get(shard_id)
+            return table if table is not None else self._open_samples(shard_id)
+
+    def _open_samples(self, shard_id: str) -> pa.Table:
         shard = self.shard(shard_id)
         path = samples_path(shard.path)
         entry = next((f for f in shard.files if f.path == path), None)
@@ -115,7 +148,7 @@ class Store:
             # The table is small (ids and masks): read it whole and check it against the manifest
             # before trusting a single offset. Feature chunks carry their own crc32c, checked on every
             # read (hsstore.format.array_reader).
-            data = self.location.read_bytes(path)
+            data = self._read_small_file(path, entry)
             if entry is not None and (len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256):
                 raise ShardCorruptError(
                     f"shard {shard_id}: {self.location.path(path)}: size or sha256 differs from the "
@@ -167,9 +200,17 @@ class Store:
             array = self._arrays.get(key)
         if array is not None:
             return array
+        with self._opening_lock(key):
+            with self._lock:
+                array = self._arrays.get(key)
+            return array if array is not None else self._open_array(shard, array_name)
+
+    def _open_array(self, shard: ShardRecord, array_name: str) -> Any:
+        key = (shard.shard_id, array_name)
         where = self.location.path(array_dir(shard.path, array_name))
         try:
-            metadata = json.loads(self.location.read_bytes(f"{array_dir(shard.path, array_name)}/{ZARR_METADATA_FILE}"))
+            path = f"{array_dir(shard.path, array_name)}/{ZARR_METADATA_FILE}"
+            metadata = json.loads(self._read_small_file(path, next((f for f in shard.files if f.path == path), None)))
         except FileNotFoundError as err:
             raise ShardCorruptError(f"shard {shard.shard_id}: {where}: {ZARR_METADATA_FILE} is missing") from err
         except ValueError as err:  # not JSON (or not UTF-8)
@@ -177,7 +218,9 @@ class Store:
         layout = layout_of(metadata) if isinstance(metadata, dict) else None
         if layout is not None:
             num_rows = int(metadata["shape"][0])
-            reader: Any = ArrayReader(self.location, array_dir(shard.path, array_name), layout, shard.num_tokens)
+            folder = array_dir(shard.path, array_name)
+            files = {f.path: (f.size, f.sha256) for f in shard.files if f.path.startswith(folder + "/")}
+            reader: Any = ArrayReader(self.location, folder, layout, shard.num_tokens, files=files, cache=self.cache)
         else:
             reader = _ZarrRows.open(self.location, shard, array_name)
             num_rows = reader.array.shape[0]
@@ -306,10 +349,19 @@ class _ZarrRows:
         return out
 
 
-def open_store(url: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> Store:
-    """Open the committed store at ``url`` (any fsspec URL). Raises StoreNotFoundError/ManifestError."""
+def open_store(
+    url: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    cache: ReadCache | None = None,
+) -> Store:
+    """Open the committed store at ``url`` (any fsspec URL). Raises StoreNotFoundError/ManifestError.
+
+    ``storage_options`` go to fsspec (e.g. ``{"client_kwargs": {"endpoint_url": ...}}`` for s3fs;
+    by default s3fs reads ``AWS_ENDPOINT_URL`` and the keys from the environment). ``cache`` keeps
+    the bytes read from a remote store on local disk (:class:`hsstore.read_cache.ReadCache`)."""
     location = StoreLocation(url, storage_options)
-    return Store(location, require_manifest(location))
+    return Store(location, require_manifest(location), cache)
 
 
 __all__ = ["Store", "open_store"]

@@ -29,6 +29,7 @@ import torch.utils.data
 from hsstore.format import codecs
 from hsstore.format.features import FeatureSpec
 from hsstore.loader import HostBatch, LoaderState, StreamingLoader
+from hsstore.store import Store
 
 
 @dataclass
@@ -133,14 +134,15 @@ def _identity(batch: Any) -> Any:
 class StoreBatchDataset(torch.utils.data.IterableDataset):
     """A torch ``IterableDataset`` of one rank's packed batches (stored bits, on the host).
 
-    Holds only the URL and settings: each worker process builds its own :class:`StreamingLoader`,
-    since a spawned worker receives the dataset pickled (a loader's locks do not pickle) and
-    fsspec's filesystems are not fork-safe.
+    Holds only the store (a URL, or a :class:`Store`, which pickles as its URL, storage options,
+    manifest and cache settings) and settings: each worker process builds its own
+    :class:`StreamingLoader`, since a spawned worker receives the dataset pickled (a loader's locks
+    do not pickle) and fsspec's filesystems are not fork-safe.
     """
 
     def __init__(
         self,
-        store_url: str,
+        store_url: str | Store,
         features: list[str],
         start: LoaderState | None = None,
         *,
@@ -164,7 +166,7 @@ class StoreBatchDataset(torch.utils.data.IterableDataset):
 
 
 def make_dataloader(
-    store_url: str,
+    store_url: str | Store,
     features: Sequence[str],
     start: LoaderState | None = None,
     *,

@@ -47,6 +47,7 @@ from hsstore.manifest import (
     FileEntry,
     ShardRecord,
     check_shard_id,
+    encode_sample_tokens,
     shard_checksum,
 )
 
@@ -333,6 +334,7 @@ class ShardWriter:
             num_bytes=sum(f.size for f in files),
             checksum=shard_checksum(files),
             files=files,
+            sample_tokens=encode_sample_tokens(self._rows["num_tokens"]),
         )
 
 

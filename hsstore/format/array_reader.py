@@ -26,6 +26,7 @@ import numpy as np
 from hsstore.errors import ShardCorruptError
 from hsstore.format.chunk_layout import CRC_BYTES, MISSING, ChunkLayout
 from hsstore.location import StoreLocation
+from hsstore.read_cache import ReadCache
 
 # preadv takes at most IOV_MAX (1024 on Linux) buffers; a chunk needs up to four.
 MAX_CHUNKS_PER_PREADV = 250
@@ -49,17 +50,48 @@ _SCRATCH = _Scratch()
 class ArrayReader:
     """Reads token ranges of one array of one (immutable, committed) store shard. Thread-safe."""
 
-    def __init__(self, location: StoreLocation, array_dir: str, layout: ChunkLayout, num_tokens: int):
+    def __init__(
+        self,
+        location: StoreLocation,
+        array_dir: str,
+        layout: ChunkLayout,
+        num_tokens: int,
+        *,
+        files: dict[str, tuple[int, str]] | None = None,
+        cache: ReadCache | None = None,
+    ):
+        """``files``: (size, sha256) by store-relative path, from the manifest: a remote read then
+        needs no HEAD for a file's size, and ``cache`` (remote stores only) keys ranges by content."""
         self.location = location
         self.array_dir = array_dir
         self.layout = layout
         self.num_tokens = num_tokens
+        self.files = files or {}
+        self.cache = cache if not location.is_local else None
         self._indexes: dict[int, np.ndarray] = {}
+        self._opening: dict[int, threading.Lock] = {}
         self._lock = threading.Lock()
         self._decompressor = layout.numcodecs_compressor()
 
+    def _relative(self, zarr_shard: int) -> str:
+        return f"{self.array_dir}/{self.layout.shard_key(zarr_shard)}"
+
     def _path(self, zarr_shard: int) -> str:
-        return self.location.path(f"{self.array_dir}/{self.layout.shard_key(zarr_shard)}")
+        return self.location.path(self._relative(zarr_shard))
+
+    def _fetch(self, zarr_shard: int, offset: int, nbytes: int) -> bytes:
+        """One ranged GET of a remote file (through the cache when there is one)."""
+        entry = self.files.get(self._relative(zarr_shard))
+        key = None
+        if self.cache is not None and entry is not None:
+            key = self.cache.key(entry[1], offset, nbytes)
+            cached = self.cache.get(key)
+            if cached is not None and len(cached) == nbytes:
+                return cached
+        data = bytes(self.location.fs.cat_file(self._path(zarr_shard), start=offset, end=offset + nbytes))
+        if key is not None and self.cache is not None and len(data) == nbytes:
+            self.cache.put(key, data)
+        return data
 
     def _corrupt(self, zarr_shard: int, detail: str) -> ShardCorruptError:
         return ShardCorruptError(f"{self._path(zarr_shard)}: {detail} (the file is damaged; run hsstore verify)")
@@ -78,7 +110,7 @@ class ArrayReader:
             finally:
                 os.close(fd)
         else:
-            data = bytes(self.location.fs.cat_file(path, start=offset, end=offset + nbytes))
+            data = self._fetch(shard, offset, nbytes)
             got = len(data)
             if into is not None:
                 view, at = memoryview(data), 0
@@ -93,8 +125,15 @@ class ArrayReader:
     def _index(self, shard: int) -> np.ndarray:
         with self._lock:
             index = self._indexes.get(shard)
+            opening = self._opening.setdefault(shard, threading.Lock())
         if index is not None:
             return index
+        with opening:  # concurrent first reads of a file fetch its index once
+            with self._lock:
+                index = self._indexes.get(shard)
+            return index if index is not None else self._read_index(shard)
+
+    def _read_index(self, shard: int) -> np.ndarray:
         count = self.layout.chunks_per_shard
         nbytes = self.layout.index_bytes
         if self.location.is_local:
@@ -102,6 +141,8 @@ class ArrayReader:
                 size = os.stat(self._path(shard)).st_size
             except FileNotFoundError:
                 raise self._corrupt(shard, "missing") from None
+        elif self._relative(shard) in self.files:
+            size = self.files[self._relative(shard)][0]  # the manifest's: saves a HEAD per file
         else:
             size = int(self.location.fs.size(self._path(shard)))
         if size < nbytes:

@@ -10,7 +10,7 @@ store is opened.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -111,12 +111,29 @@ class LoaderConfig(RecipeModel):
     num_workers: int = Field(default=0, ge=0, description="DataLoader worker processes per rank")
     read_threads: int = Field(default=4, gt=0, description="token-range reads in flight per loader")
     prefetch_batches: int = Field(default=4, gt=0, description="batches read ahead of the step")
+    cache_dir: str | None = Field(
+        default=None,
+        description=(
+            "remote stores (s3://, gs://...): keep the bytes read in this local folder, so later "
+            "epochs and resumed runs read them locally (hsstore.read_cache; shareable by processes)"
+        ),
+    )
+    cache_max_bytes: int = Field(
+        default=64 << 30, gt=0, description="bound of cache_dir; least recently used ranges are evicted past it"
+    )
 
 
 class TrainRecipe(RecipeModel):
     """``hsstore train RECIPE``: what is trained, from which store, against which target."""
 
     store: str = Field(description="store URL (local path or any fsspec URL)")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "fsspec options for the store, e.g. {client_kwargs: {endpoint_url: ...}} for an "
+            "S3-compatible endpoint; empty: s3fs reads AWS_ENDPOINT_URL and the keys from the environment"
+        ),
+    )
     target: str = Field(description="target model directory (only embed/norm/lm_head are read)")
     output_dir: str = Field(description="metrics.jsonl, checkpoints/step_N, checkpoints/final")
     max_steps: int | None = Field(

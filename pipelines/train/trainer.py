@@ -30,6 +30,7 @@ import torch
 
 import hsstore
 from hsstore.loader import LoaderState, StreamingLoader
+from hsstore.read_cache import ReadCache
 from hsstore.torch_data import WaitTimer, to_device
 from pipelines.models.checkpoint import (
     init_from_pretrained,
@@ -244,7 +245,8 @@ def _run(recipe: TrainRecipe, dist_state: Distributed, device: torch.device, sto
     torch.manual_seed(recipe.seed)
 
     # Store and lineage: refuse a mismatched store before anything is computed.
-    store = hsstore.open_store(recipe.store)
+    cache = ReadCache(recipe.loader.cache_dir, recipe.loader.cache_max_bytes) if recipe.loader.cache_dir else None
+    store = hsstore.open_store(recipe.store, storage_options=recipe.storage_options or None, cache=cache)
     teacher_mode = choose_teacher(store, recipe.teacher)
     lineage = check_lineage(
         store, recipe.target, expect_aux_layer_ids=recipe.expect_aux_layer_ids,
@@ -284,7 +286,7 @@ def _run(recipe: TrainRecipe, dist_state: Distributed, device: torch.device, sto
     if recipe.loader.num_workers > 0:
         from hsstore.torch_data import make_dataloader
 
-        batches = iter(make_dataloader(store.url, features, loader_state, num_workers=recipe.loader.num_workers,
+        batches = iter(make_dataloader(store, features, loader_state, num_workers=recipe.loader.num_workers,
                                        **loader_kwargs))
     else:
         batches = loader.batches(loader_state)

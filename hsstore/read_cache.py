@@ -1,0 +1,158 @@
+"""A bounded local cache of bytes read from a remote store (s3://, gs://, ...).
+
+Training reads the same byte ranges every epoch: a sample's token range maps to the same chunks of
+the same immutable files. From object storage each of those reads is a request with a latency and
+a price; with a cache on local disk (or in memory) the second epoch reads them locally. The cache
+is bounded: past ``max_bytes`` the least recently used entries are evicted, so it never fills the
+disk of a training node.
+
+Keys are content-derived: the sha256 of the file (from the manifest) plus the byte range, so an
+entry can never be stale (a committed file is immutable, and a different file has another sha256)
+and several stores, runs or processes may share one folder. Entries are written to a temporary
+name and renamed, so a reader never sees half an entry; an entry that fails to read is treated
+as a miss, and so is one whose crc32c (kept at its end) does not match: a damaged cache disk
+costs a refetch, never wrong bytes. Other processes' entries are found on disk; eviction accounts only for the entries this
+process knows (it scans the folder once when it opens), which is what a bound per node needs when
+one process per GPU shares a folder: each keeps within ``max_bytes / num_processes`` if so set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import threading
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+import google_crc32c
+
+CRC_BYTES = 4
+
+
+class ReadCache:
+    """Bytes by key, bounded by ``max_bytes``; on disk under ``directory`` (or in memory if None)."""
+
+    def __init__(self, directory: str | os.PathLike[str] | None, max_bytes: int):
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        self.directory = None if directory is None else os.fspath(directory)
+        self.max_bytes = int(max_bytes)
+        self._entries: OrderedDict[str, int] = OrderedDict()  # file name -> size, oldest use first
+        self._memory: dict[str, bytes] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+        if self.directory is not None:
+            os.makedirs(self.directory, exist_ok=True)
+            found = []
+            for entry in os.scandir(self.directory):
+                if entry.is_file() and entry.name.endswith(".bin"):
+                    stat = entry.stat()
+                    found.append((stat.st_atime, entry.name, stat.st_size))
+            for _, name, size in sorted(found):
+                self._entries[name] = size
+                self._bytes += size
+            self._evict()
+
+    def __repr__(self) -> str:
+        where = self.directory or "memory"
+        return f"ReadCache({where!r}, {self._bytes:,}/{self.max_bytes:,} bytes, {len(self._entries)} entries)"
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A worker process gets its own view of the same folder (an in-memory cache starts empty).
+        return {"directory": self.directory, "max_bytes": self.max_bytes}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["directory"], state["max_bytes"])  # type: ignore[misc]
+
+    @property
+    def num_bytes(self) -> int:
+        return self._bytes
+
+    @staticmethod
+    def key(*parts: object) -> str:
+        """A file-name-safe key from its parts (e.g. a file's sha256 and a byte range)."""
+        return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()[:40] + ".bin"
+
+    def get(self, key: str) -> bytes | None:
+        with self._lock:
+            known = key in self._entries
+            if known:
+                self._entries.move_to_end(key)
+            if self.directory is None:
+                data = self._memory.get(key)
+                self.hits += data is not None
+                self.misses += data is None
+                return data
+        try:
+            with open(os.path.join(self.directory, key), "rb") as handle:
+                data = _checked(handle.read())
+        except OSError:
+            data = None
+        with self._lock:
+            if data is None:
+                self.misses += 1
+                if known:  # evicted by another process sharing the folder
+                    self._bytes -= self._entries.pop(key, 0)
+            else:
+                self.hits += 1
+                if not known:  # written by another process sharing the folder
+                    self._entries[key] = len(data) + CRC_BYTES
+                    self._bytes += len(data) + CRC_BYTES
+                    self._evict()
+        return data
+
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        size = len(data) + (CRC_BYTES if self.directory is not None else 0)  # what it takes on disk
+        if size > self.max_bytes:
+            return  # would evict everything else and still not fit
+        if self.directory is not None:
+            path = os.path.join(self.directory, key)
+            temp = os.path.join(self.directory, f".{key}.{uuid.uuid4().hex[:8]}.tmp")
+            try:
+                with open(temp, "wb") as handle:
+                    handle.write(data)
+                    handle.write(_crc(data))
+                os.replace(temp, path)
+            except OSError:
+                # A full or read-only cache disk costs only the caching, never the read.
+                with contextlib.suppress(OSError):
+                    os.unlink(temp)
+                return
+        with self._lock:
+            if key in self._entries:
+                self._bytes -= self._entries.pop(key)
+            self._entries[key] = size
+            self._bytes += size
+            if self.directory is None:
+                self._memory[key] = bytes(data)
+            self._evict()
+
+    def _evict(self) -> None:
+        """Drop the least recently used entries until within the bound (caller holds the lock)."""
+        while self._bytes > self.max_bytes and self._entries:
+            name, size = self._entries.popitem(last=False)
+            self._bytes -= size
+            if self.directory is None:
+                self._memory.pop(name, None)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(self.directory, name))
+
+
+def _crc(data: bytes | memoryview) -> bytes:
+    return int(google_crc32c.value(bytes(data))).to_bytes(CRC_BYTES, "little")
+
+
+def _checked(entry: bytes) -> bytes | None:
+    """An entry's data if its trailing crc32c matches, else None (a miss)."""
+    if len(entry) < CRC_BYTES:
+        return None
+    data = entry[:-CRC_BYTES]
+    return data if _crc(data) == entry[-CRC_BYTES:] else None
+
+
+__all__ = ["ReadCache"]

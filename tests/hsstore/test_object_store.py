@@ -1,0 +1,240 @@
+"""Training reads from object storage (issue 16): the loader on moto's S3 server on loopback.
+
+The server runs in its own process and counts the requests it serves (benchmarks/moto_s3.py), so
+these tests check what the loader really sends: nothing per shard before the first batch, one
+ranged GET per sample and array, nothing of the batches a resumed run has already seen, and no
+feature GET at all once a local ReadCache holds the bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import hsstore
+from hsstore import FeatureSpec
+from hsstore.read_cache import ReadCache
+from tests.hsstore.helpers import make_lineage, make_sample
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto")
+
+FEATURES = ["aux_hidden_states", "final_hidden_state"]
+ARRAYS = 2  # bf16: one array per feature
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[Any]:
+    from benchmarks.moto_s3 import MotoS3
+
+    with MotoS3() as server:
+        yield server
+
+
+@pytest.fixture
+def aws_env(s3: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The standard AWS environment pointing at the loopback server, as s3fs reads it."""
+    for key, value in s3.environ().items():
+        monkeypatch.setenv(key, value)
+    return s3
+
+
+def _write_local(path: Path, num_samples: int = 24) -> None:
+    rng = np.random.default_rng(3)
+    specs = [
+        FeatureSpec(name="aux_hidden_states", shape=(3, 16), chunk_tokens=16),
+        FeatureSpec(name="final_hidden_state", shape=(16,), chunk_tokens=16),
+    ]
+    with hsstore.StoreWriter(str(path), specs, make_lineage(), shard_max_tokens=150) as writer:
+        for i in range(num_samples):
+            writer.add_sample(**make_sample(i, int(rng.integers(5, 60))))
+
+
+def _upload(local: Path, fs: Any) -> str:
+    bucket = f"hsstore-{uuid.uuid4().hex[:12]}"
+    fs.mkdir(bucket)
+    fs.put(str(local), f"{bucket}/store", recursive=True)
+    return f"s3://{bucket}/store"
+
+
+@pytest.fixture
+def stores(tmp_path: Path, aws_env: Any) -> tuple[str, str]:
+    """(local path, s3:// URL) of the same store."""
+    import s3fs
+
+    local = tmp_path / "store"
+    _write_local(local)
+    return str(local), _upload(local, s3fs.S3FileSystem())
+
+
+def _settings() -> dict[str, Any]:
+    return {"token_budget": 128, "rows_per_batch": 1, "shuffle_window": 8, "seed": 5, "read_threads": 3, "prefetch_batches": 2}
+
+
+def _snapshot(batch: Any) -> dict[str, Any]:
+    return {
+        "index": (batch.epoch, batch.index),
+        "samples": [list(map(int, row)) for row in batch.sample_indices],
+        "input_ids": batch.input_ids.copy(),
+        **{key: value.copy() for key, value in batch.features.items()},
+    }
+
+
+def _assert_same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
+    assert len(a) == len(b) and a
+    for x, y in zip(a, b, strict=True):
+        assert x["index"] == y["index"] and x["samples"] == y["samples"]
+        for key in x:
+            if key not in ("index", "samples"):
+                np.testing.assert_array_equal(x[key], y[key])
+
+
+def test_s3_batches_equal_local_ones_with_the_endpoint_from_the_environment(stores: tuple[str, str]) -> None:
+    local, url = stores
+    expected = [_snapshot(b) for b in hsstore.StreamingLoader(local, FEATURES, **_settings()).batches(max_epochs=2)]
+    got = [_snapshot(b) for b in hsstore.StreamingLoader(url, FEATURES, **_settings()).batches(max_epochs=2)]
+    _assert_same(expected, got)
+
+
+def test_storage_options_reach_the_endpoint_without_the_environment(
+    tmp_path: Path, s3: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import s3fs
+
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    keys = {k: v for k, v in s3.environ().items() if k != "AWS_ENDPOINT_URL"}
+    for key, value in keys.items():
+        monkeypatch.setenv(key, value)
+    options = {"client_kwargs": {"endpoint_url": s3.endpoint}}
+    local = tmp_path / "store"
+    _write_local(local, num_samples=6)
+    url = _upload(local, s3fs.S3FileSystem(**options))
+    loader = hsstore.StreamingLoader(url, FEATURES, storage_options=options, **_settings())
+    assert sum(b.num_real_tokens for b in loader.batches(max_epochs=1)) > 0
+
+
+def test_planning_needs_no_request_per_shard(stores: tuple[str, str]) -> None:
+    _, url = stores
+    server = _server_of(url)
+    server.requests(reset=True)
+    store = hsstore.open_store(url)
+    assert len(store.shards) >= 4
+    loader = hsstore.StreamingLoader(store, FEATURES, **_settings())
+    assert loader.num_batches(0) > 2
+    counts = server.requests(reset=True)
+    # The manifest alone (its per-sample lengths plan the epoch; s3fs sizes it with a HEAD first):
+    # no sample table read.
+    assert counts.get("GET") == 1 and counts.get("HEAD", 0) <= 1, counts
+
+
+def test_old_manifests_without_sample_lengths_still_plan_the_same(stores: tuple[str, str]) -> None:
+    import s3fs
+
+    local, url = stores
+    path = Path(local) / "manifest.json"
+    manifest = json.loads(path.read_text())
+    for shard in manifest["shards"]:
+        del shard["sample_tokens"]  # as written before the field existed
+    s3fs.S3FileSystem().pipe(url.removeprefix("s3://") + "/manifest.json", json.dumps(manifest).encode())
+    path.write_text(json.dumps(manifest))
+    old = hsstore.open_store(url)
+    assert all(shard.sample_tokens is None for shard in old.shards)
+    expected = [_snapshot(b) for b in hsstore.StreamingLoader(local, FEATURES, **_settings()).batches(max_epochs=1)]
+    got = [_snapshot(b) for b in hsstore.StreamingLoader(old, FEATURES, **_settings()).batches(max_epochs=1)]
+    _assert_same(expected, got)
+
+
+def test_a_resumed_run_requests_only_what_its_remaining_batches_need(stores: tuple[str, str]) -> None:
+    _, url = stores
+    server = _server_of(url)
+    first = hsstore.StreamingLoader(url, FEATURES, **_settings())
+    total = first.num_batches(0)
+    assert total >= 4
+    consumed = total // 2
+    state = None
+    for batch in first.batches(max_epochs=1):
+        state = first.state_after(batch)
+        if batch.index + 1 == consumed:
+            break
+    assert state is not None and state.batch_in_epoch == consumed
+
+    server.requests(reset=True)
+    resumed = hsstore.StreamingLoader(url, FEATURES, **_settings())
+    remaining = list(resumed.batches(state, max_epochs=1))
+    counts = server.requests(reset=True)
+    assert [b.index for b in remaining] == list(range(consumed, total))
+    samples = [int(s) for b in remaining for row in b.sample_indices for s in row]
+    shards = {int(resumed._catalog.shard_of[s]) for s in samples}
+    # manifest + per touched shard (sample table, and per array its zarr.json and index) + one
+    # ranged GET per sample and array: nothing for the batches before the resume point.
+    expected = 1 + len(shards) * (1 + 2 * ARRAYS) + len(samples) * ARRAYS
+    assert counts.get("GET") == expected, (counts, expected)
+    assert counts.get("HEAD", 0) <= 1  # s3fs sizes the manifest before its GET; nothing else
+
+
+def test_a_read_cache_serves_the_second_epoch_without_feature_requests(stores: tuple[str, str], tmp_path: Path) -> None:
+    local, url = stores
+    server = _server_of(url)
+    cache = ReadCache(tmp_path / "cache", 1 << 30)
+    one = [_snapshot(b) for b in hsstore.StreamingLoader(url, FEATURES, cache=cache, **_settings()).batches(max_epochs=1)]
+    assert cache.num_bytes > 0
+    server.requests(reset=True)
+    again = [_snapshot(b) for b in hsstore.StreamingLoader(url, FEATURES, cache=ReadCache(tmp_path / "cache", 1 << 30), **_settings()).batches(max_epochs=1)]
+    counts = server.requests(reset=True)
+    assert counts.get("GET") == 1, counts  # the manifest: tables, metadata and ranges are cached
+    _assert_same(one, again)
+    expected = [_snapshot(b) for b in hsstore.StreamingLoader(local, FEATURES, **_settings()).batches(max_epochs=1)]
+    _assert_same(expected, again)
+
+
+def test_a_damaged_cache_entry_is_fetched_again(stores: tuple[str, str], tmp_path: Path) -> None:
+    local, url = stores
+    folder = tmp_path / "cache"
+    list(hsstore.StreamingLoader(url, FEATURES, cache=ReadCache(folder, 1 << 30), **_settings()).batches(max_epochs=1))
+    for entry in folder.iterdir():
+        entry.write_bytes(entry.read_bytes()[:-1] + bytes([entry.read_bytes()[-1] ^ 0xFF]))
+    got = [_snapshot(b) for b in hsstore.StreamingLoader(url, FEATURES, cache=ReadCache(folder, 1 << 30), **_settings()).batches(max_epochs=1)]
+    expected = [_snapshot(b) for b in hsstore.StreamingLoader(local, FEATURES, **_settings()).batches(max_epochs=1)]
+    _assert_same(expected, got)
+
+
+def _server_of(url: str) -> Any:
+    """The module's server (the URL's endpoint comes from the environment the fixture set)."""
+    from benchmarks.moto_s3 import MotoS3
+
+    server = MotoS3()
+    server.port = int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
+    return server
+
+
+# -- the cache on its own --------------------------------------------------------------------------
+
+
+def test_read_cache_is_bounded_and_evicts_the_least_recently_used(tmp_path: Path) -> None:
+    cache = ReadCache(tmp_path, max_bytes=250)  # entries take 104 bytes (a crc32c each)
+    for name in "abc":
+        cache.put(ReadCache.key(name), name.encode() * 100)
+    assert cache.num_bytes <= 250
+    assert cache.get(ReadCache.key("a")) is None  # oldest, evicted
+    assert cache.get(ReadCache.key("c")) == b"c" * 100
+    assert len([p for p in tmp_path.iterdir() if p.suffix == ".bin"]) == 2
+    reopened = ReadCache(tmp_path, max_bytes=110)  # a smaller bound applies to what is on disk
+    assert reopened.num_bytes <= 110
+    assert len([p for p in tmp_path.iterdir() if p.suffix == ".bin"]) == 1
+
+
+def test_read_cache_in_memory_and_refuses_a_bad_bound() -> None:
+    cache = ReadCache(None, max_bytes=10)
+    cache.put("k", b"0123456789")
+    assert cache.get("k") == b"0123456789"
+    cache.put("big", b"x" * 11)  # larger than the bound: not kept, nothing evicted
+    assert cache.get("big") is None and cache.get("k") is not None
+    with pytest.raises(ValueError, match="max_bytes must be positive"):
+        ReadCache(None, max_bytes=0)
