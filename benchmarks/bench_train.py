@@ -280,7 +280,9 @@ def ddp_throughput(store: Path, target: Path, workdir: Path, args: argparse.Name
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steady = sorted(r["tokens_per_s"] for r in records[1:]) or [records[-1]["tokens_per_s"]]
     summary = json.loads((out / "summary.json").read_text())
+    waits = sorted(r["data_wait_frac"] for r in records[1:]) or [records[-1]["data_wait_frac"]]
     return {"gpus": gpus, "tokens_per_s_steady": steady[len(steady) // 2], "tokens_per_s_run": summary["tokens_per_s"],
+            "data_wait_frac_steady": waits[len(waits) // 2],
             "data_wait_frac": summary["data_wait_frac"], "steps": summary["steps"], "wall_s": time.perf_counter() - started,
             "windows": [round(r["tokens_per_s"]) for r in records]}
 
