@@ -119,6 +119,7 @@ def offline_proxy(
             teacher.probs_BTV,
             teacher.valid_BT,
             ttt_length=config.ttt_length,
+            attention="eager",  # one sample at a time, every length different: no compiled kernel per shape
         )
         correct += torch.stack(out.step_correct).cpu()
         counted += torch.stack([c.to(torch.long) for c in out.step_counts]).cpu()
