@@ -1,16 +1,22 @@
-"""Shared fixtures: the in-repo reference target and helpers to build small stores."""
+"""Shared fixtures: the in-repo reference target, the data, one reference store and one Ray session
+for the whole test session. Paths and store builders live in tests/factories.py."""
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-REFERENCE_TARGET = REPO_ROOT / "examples" / "reference-target"
-SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
-EXAMPLES_DATA = REPO_ROOT / "examples" / "data"
+from tests.factories import (
+    EXAMPLES_DATA,
+    REFERENCE_TARGET,
+    SHARED_DATA,
+    TRAIN_DATA,
+    extract_reference_store,
+)
 
 
 @pytest.fixture(scope="session")
@@ -34,6 +40,37 @@ def shared_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
         shutil.copy(EXAMPLES_DATA / "draft_train_slice.jsonl", target / "draft_train.jsonl")
         shutil.copy(EXAMPLES_DATA / "eval_prompts.jsonl", target / "eval_prompts.jsonl")
     return target
+
+
+@pytest.fixture(scope="session")
+def records_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The training records the reference store is extracted from (a private copy)."""
+    path = tmp_path_factory.mktemp("data") / "draft_train.jsonl"
+    shutil.copy(TRAIN_DATA, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def reference_store(tmp_path_factory: pytest.TempPathFactory, records_path: Path) -> str:
+    """The session's one store of real features: the reference target through the project's
+    extraction, 40 records truncated to 256 tokens, aux layers [2, 4, 5] + final state, bf16.
+    Shared: tests read it and never write into it."""
+    url = str(tmp_path_factory.mktemp("reference-store") / "store")
+    return extract_reference_store(url, records_path)
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[Any]:
+    """One local Ray (2 CPUs) for every Ray test; started on first use (~3 s), shut down at the end
+    only if this fixture started it."""
+    ray = pytest.importorskip("ray")
+    started = False
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        started = True
+    yield ray
+    if started:
+        ray.shutdown()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -16,7 +16,7 @@ import hsstore
 from hsstore.location import StoreLocation
 from hsstore.verify import verify_store
 from pipelines.cli import main as cli_main
-from tests.hsstore.helpers import make_lineage, make_sample, make_specs, write_store
+from tests.factories import make_lineage, make_sample, make_specs, write_store
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -27,7 +27,7 @@ WRITER = textwrap.dedent(
     import sys, time
     sys.path.insert(0, {repo!r})
     import hsstore
-    from tests.hsstore.helpers import make_lineage, make_sample, make_specs
+    from tests.factories import make_lineage, make_sample, make_specs
     url, units = sys.argv[1], [int(u) for u in sys.argv[2].split(",")]
     specs, lineage = make_specs(), make_lineage()
     for unit in units:

@@ -12,10 +12,10 @@ import hsstore
 from hsstore import inspect as hi
 from hsstore.errors import HsstoreError
 from pipelines.cli import main as cli_main
-from tests.conftest import REFERENCE_TARGET
-from tests.hsstore.helpers import (
+from tests.factories import (
     HIDDEN,
     NUM_AUX,
+    REFERENCE_TARGET,
     make_lineage,
     make_sample,
     make_specs,

@@ -14,7 +14,7 @@ import torch
 
 import hsstore
 from hsstore import ManifestError, StoreNotFoundError, StoreWriteError
-from tests.hsstore.helpers import make_lineage, make_sample, make_specs, write_store
+from tests.factories import make_lineage, make_sample, make_specs, write_store
 
 
 @pytest.fixture(params=["local", "file", "memory"])

@@ -64,8 +64,8 @@ def test_inspect_notebook_extracts_a_store_and_writes_its_plots(tmp_path, monkey
 
 
 @pytest.mark.slow
-def test_sweep_notebook_runs_a_tiny_sweep_then_reads_a_given_one(tmp_path, monkeypatch, tiny_store):
-    monkeypatch.setenv("STORE", tiny_store)
+def test_sweep_notebook_runs_a_tiny_sweep_then_reads_a_given_one(tmp_path, monkeypatch, reference_store):
+    monkeypatch.setenv("STORE", reference_store)
     monkeypatch.delenv("SWEEP_DIR", raising=False)
     monkeypatch.setenv("WORK_DIR", str(tmp_path / "work"))
     monkeypatch.setenv("PLOTS_DIR", str(tmp_path / "plots"))

@@ -18,7 +18,7 @@ from pipelines.target_identity import (
     target_identity,
     tokenizer_sha256,
 )
-from tests.conftest import REFERENCE_TARGET
+from tests.factories import REFERENCE_TARGET
 
 
 @pytest.fixture()

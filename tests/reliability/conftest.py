@@ -17,8 +17,7 @@ from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-REFERENCE_TARGET = REPO / "examples" / "reference-target"
+from tests.factories import REFERENCE_TARGET  # noqa: F401 (re-used by the suite)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -119,16 +118,3 @@ def expected_sample_ids(recipe: Any) -> set[str]:
 
     tokenizer = make_sample_tokenizer(recipe, recipe.tokenizer.path or recipe.target)
     return {s.sample_id for s in read_samples(recipe, tokenizer).samples}
-
-
-@pytest.fixture(scope="session")
-def ray_session() -> Iterator[Any]:
-    """One local Ray for the suite (2 CPUs), as the style guide asks; started lazily."""
-    ray = pytest.importorskip("ray")
-    started = False
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-        started = True
-    yield ray
-    if started:
-        ray.shutdown()

@@ -24,7 +24,7 @@ import hsstore
 from hsstore import CommitConflictError, StoreLocation
 from hsstore.commit import MANIFEST_NAME, _commit_lock
 from hsstore.verify import verify_store
-from tests.hsstore.helpers import make_lineage, make_sample, make_specs
+from tests.factories import make_lineage, make_sample, make_specs
 
 pytestmark = pytest.mark.reliability
 
@@ -175,7 +175,7 @@ def test_store_round_trip_contract_on_s3(s3_store, codec, compression):
     import numpy as np
     import torch
 
-    from tests.hsstore.helpers import write_store
+    from tests.factories import write_store
 
     url, options = s3_store
     samples = write_store(url, num_samples=10, shard_max_tokens=60, codec=codec, compression=compression, storage_options=options)

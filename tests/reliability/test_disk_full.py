@@ -16,7 +16,7 @@ import pytest
 import hsstore
 from hsstore import StoreLocation, StoreWriteError
 from hsstore.verify import verify_store
-from tests.hsstore.helpers import make_lineage, make_sample, make_specs
+from tests.factories import make_lineage, make_sample, make_specs
 from tests.reliability.conftest import expected_sample_ids, load_extract_recipe, write_text_records
 
 pytestmark = pytest.mark.reliability

@@ -27,7 +27,7 @@ WRITER = textwrap.dedent(
     import sys, time
     sys.path.insert(0, {repo!r})
     import hsstore
-    from tests.hsstore.helpers import make_lineage, make_sample, make_specs
+    from tests.factories import make_lineage, make_sample, make_specs
     url = sys.argv[1]
     specs, lineage = make_specs(), make_lineage()
     hsstore.ensure_store(url, features=specs, lineage=lineage)
@@ -47,7 +47,7 @@ READER = textwrap.dedent(
     sys.path.insert(0, {repo!r})
     import numpy as np
     import hsstore
-    from tests.hsstore.helpers import make_sample
+    from tests.factories import make_sample
     url, deadline = sys.argv[1], time.monotonic() + 120
     generations, problems, samples_read, last_shards = [], [], 0, set()
     while time.monotonic() < deadline:

@@ -16,7 +16,7 @@ import pytest
 import hsstore
 from hsstore import ShardCorruptError
 from hsstore.loader import StreamingLoader
-from tests.hsstore.helpers import write_store
+from tests.factories import write_store
 
 pytestmark = pytest.mark.reliability
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -12,49 +11,19 @@ from hsstore.errors import LineageMismatchError
 from pipelines.evaluate.proxy import offline_proxy
 from pipelines.evaluate.recipe import DecodeSetting, ProxyConfig
 from pipelines.evaluate.target import TargetModel
-from pipelines.recipe import build_recipe
-from tests.pipelines.evaluate.helpers import one_thread, random_draft
-
-
-@pytest.fixture(scope="module")
-def small_store(
-    tmp_path_factory: pytest.TempPathFactory, reference_target: Path, shared_data: Path
-) -> str:
-    """Four text records of draft_train.jsonl through the real extraction, 256 tokens each at most
-    (text records carry loss on every token; the chats' answers lie past 256 tokens)."""
-    from pipelines.extract import ExtractRecipe, run_extraction
-
-    work = tmp_path_factory.mktemp("proxy-store")
-    lines = (shared_data / "draft_train.jsonl").read_text().splitlines()
-    texts = [line for line in lines if "text" in json.loads(line)][:4]
-    (work / "data.jsonl").write_text("\n".join(texts) + "\n")
-    recipe = build_recipe(
-        ExtractRecipe,
-        {
-            "target": str(reference_target),
-            "data": [str(work / "data.jsonl")],
-            "store": str(work / "store"),
-            "executor": "local",
-            "model": {"dtype": "float32", "device": "cpu"},
-            "capture": {"aux_layer_ids": [2, 4, 5], "final_hidden_state": True},
-            "batching": {"max_length": 256, "too_long": "truncate"},
-        },
-    )
-    with one_thread():
-        run_extraction(recipe)
-    return str(work / "store")
+from tests.pipelines.evaluate.helpers import random_draft
 
 
 @pytest.mark.slow
 def test_proxy_scores_every_depth_of_the_stored_samples(
-    small_store: str, reference_target: Path, reference_sdpa: TargetModel
+    reference_store: str, reference_target: Path, reference_sdpa: TargetModel
 ) -> None:
     draft = random_draft(reference_sdpa, seed=6)
     settings = [
         DecodeSetting(num_draft_tokens=3),
         DecodeSetting(draft_top_k=2, draft_depth=2, total_draft_tokens=3),
     ]
-    config = ProxyConfig(store=small_store, max_samples=3, ttt_length=3)
+    config = ProxyConfig(store=reference_store, max_samples=3, ttt_length=3)
     proxy = offline_proxy(draft, config, str(reference_target), settings, torch.device("cpu"))
     assert proxy["num_samples"] == 3 and proxy["teacher"] == "final_hidden"
     assert len(proxy["accuracy_per_depth"]) == 3

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import REFERENCE_TARGET
+from tests.factories import REFERENCE_TARGET
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -98,13 +97,3 @@ MIXED_RECORDS: list[dict[str, Any]] = [
 @pytest.fixture()
 def mixed_data(tmp_path: Path) -> Path:
     return write_jsonl(tmp_path / "mixed.jsonl", MIXED_RECORDS)
-
-
-@pytest.fixture(scope="session")
-def ray_session() -> Iterator[Any]:
-    """One local Ray instance with 2 CPUs for every Ray test (starting Ray costs ~3 s)."""
-    ray = pytest.importorskip("ray")
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()

@@ -16,7 +16,7 @@ import pytest
 
 import hsstore
 from pipelines.extract import run_extraction
-from tests.conftest import REPO_ROOT
+from tests.factories import REPO_ROOT
 from tests.pipelines.extract.conftest import MIXED_RECORDS, write_jsonl
 from tests.pipelines.extract.helpers import as_array, make_recipe, stored_samples
 

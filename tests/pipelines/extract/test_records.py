@@ -13,7 +13,7 @@ from pipelines.extract.errors import RecordSourceError
 from pipelines.extract.plan import plan_samples
 from pipelines.extract.records import Record, Rejection, RejectReason, iter_records
 from pipelines.extract.tokenize import SampleTokenizer
-from tests.conftest import REFERENCE_TARGET
+from tests.factories import REFERENCE_TARGET
 from tests.pipelines.extract.conftest import write_jsonl
 
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,9 +10,8 @@ from transformers import AutoConfig, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from pipelines.models.eagle3 import Eagle3Config, Eagle3Draft, rope_inv_freq
+from tests.factories import REFERENCE_TARGET
 from tests.pipelines.models.helpers import random_inputs, tiny_config, tiny_draft
-
-REFERENCE_TARGET = Path(__file__).parents[3] / "examples" / "reference-target"
 
 
 def test_config_from_the_reference_target():

@@ -1,38 +1,10 @@
-"""A tiny real store of the reference target (through the extraction pipeline) and a tiny training
-recipe over it, shared by the sweep and notebook tests."""
+"""A tiny training recipe for sweeps over the session's reference store (tests/conftest.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-import pytest
-
-REPO = Path(__file__).resolve().parents[3]
-REFERENCE_TARGET = REPO / "examples" / "reference-target"
-TRAIN_SLICE = REPO / "examples" / "data" / "draft_train_slice.jsonl"
-
-
-def extract_tiny_store(url: str, *, limit: int = 6, max_length: int = 128) -> str:
-    """Run the real extraction, in process, over the first ``limit`` records of the in-repo slice."""
-    from pipelines.extract import ExtractRecipe, run_extraction
-    from pipelines.recipe import build_recipe
-
-    recipe = build_recipe(ExtractRecipe, {
-        "target": str(REFERENCE_TARGET), "data": [str(TRAIN_SLICE)], "store": url, "limit": limit,
-        "executor": "local", "model": {"dtype": "float32", "device": "cpu"},
-        "batching": {"max_length": max_length, "too_long": "truncate", "token_budget": 1024},
-    })
-    run_extraction(recipe)
-    return url
-
-
-def shared_tiny_store(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """One tiny store per test session, wherever it is asked for first (sweep or notebook tests)."""
-    path = tmp_path_factory.getbasetemp() / "tiny-reference-store"
-    if not (path / "manifest.json").exists():
-        extract_tiny_store(str(path))
-    return str(path)
+from tests.factories import REFERENCE_TARGET
 
 
 def tiny_train_base(store: str, **extra: Any) -> dict[str, Any]:

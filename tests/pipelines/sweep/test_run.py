@@ -17,7 +17,8 @@ import yaml
 from hsstore.errors import RecipeError
 from pipelines.cli import main as cli_main
 from pipelines.sweep import expand, load_sweep_recipe, run_sweep
-from tests.pipelines.sweep.helpers import REPO, tiny_train_base
+from tests.factories import REPO_ROOT as REPO
+from tests.pipelines.sweep.helpers import tiny_train_base
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -45,8 +46,8 @@ def no_target_stack(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_killed_sweep_reruns_only_the_missing_points(tmp_path, tiny_store, no_target_stack):
-    recipe_path = write_sweep(tmp_path / "sweep.yaml", tiny_store, grid={"ttt_length": [2, 3, 4]})
+def test_a_killed_sweep_reruns_only_the_missing_points(tmp_path, reference_store, no_target_stack):
+    recipe_path = write_sweep(tmp_path / "sweep.yaml", reference_store, grid={"ttt_length": [2, 3, 4]})
     recipe = load_sweep_recipe(recipe_path)
     out, names = Path(recipe.output_dir), [p.name for p in expand(recipe)]
 
@@ -86,8 +87,8 @@ def test_a_killed_sweep_reruns_only_the_missing_points(tmp_path, tiny_store, no_
 
 
 @pytest.mark.slow
-def test_stage2_points_share_a_draft_and_the_cli_grid_extends_it(tmp_path, tiny_store, no_target_stack, capsys):
-    recipe_path = write_sweep(tmp_path / "sweep.yaml", tiny_store, stages=["draft", "candidate_head"],
+def test_stage2_points_share_a_draft_and_the_cli_grid_extends_it(tmp_path, reference_store, no_target_stack, capsys):
+    recipe_path = write_sweep(tmp_path / "sweep.yaml", reference_store, stages=["draft", "candidate_head"],
                               grid={"candidate_head.rank": [4, 8]})
     args = ["sweep", str(recipe_path), "--grid", "candidate_head.num_candidates=4"]
     assert cli_main(args) == 0
@@ -105,7 +106,7 @@ def test_stage2_points_share_a_draft_and_the_cli_grid_extends_it(tmp_path, tiny_
     assert capsys.readouterr().out.count("done    ") == 2
 
 
-def test_failed_points_are_recorded_and_retried(tmp_path, tiny_store):
+def test_failed_points_are_recorded_and_retried(tmp_path, reference_store):
     base = tiny_train_base(str(tmp_path / "no-store-here"))
     recipe_path = tmp_path / "sweep.yaml"
     recipe_path.write_text(yaml.safe_dump({"base": base, "grid": {"ttt_length": [2, 3]}, "output_dir": str(tmp_path / "out")}))
@@ -115,21 +116,15 @@ def test_failed_points_are_recorded_and_retried(tmp_path, tiny_store):
     assert results["error"].str.contains("no committed store here").all()
     assert not list((tmp_path / "out").glob("points/*/done.json"))
     # Fix the store: the rerun retries the failed points.
-    report = run_sweep(load_sweep_recipe(recipe_path, ["base.store=" + json.dumps(tiny_store)]))
+    report = run_sweep(load_sweep_recipe(recipe_path, ["base.store=" + json.dumps(reference_store)]))
     assert report.ok and len(report.ran) == 2
 
 
 @pytest.mark.slow
-def test_ray_executor_trains_every_point(tmp_path, tiny_store):
-    recipe_path = write_sweep(tmp_path / "sweep.yaml", tiny_store, grid={"ttt_length": [2, 3]}, executor="ray",
+def test_ray_executor_trains_every_point(tmp_path, reference_store, ray_session):
+    recipe_path = write_sweep(tmp_path / "sweep.yaml", reference_store, grid={"ttt_length": [2, 3]}, executor="ray",
                               ray={"num_cpus_per_point": 1})
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
-    try:
-        report = run_sweep(load_sweep_recipe(recipe_path))
-    finally:
-        ray.shutdown()
+    report = run_sweep(load_sweep_recipe(recipe_path))
     assert report.ok and len(report.ran) == 2
     results = report.results
     assert (results["status"] == "done").all() and results["acc_0"].between(0, 1).all()
@@ -137,7 +132,7 @@ def test_ray_executor_trains_every_point(tmp_path, tiny_store):
 
 
 @pytest.mark.slow
-def test_points_are_evaluated_by_really_decoding(tmp_path, tiny_store):
+def test_points_are_evaluated_by_really_decoding(tmp_path, reference_store):
     prompts = tmp_path / "prompts.jsonl"  # one short prompt: the CPU prefill stays cheap
     prompts.write_text(json.dumps({"id": "p0", "messages": [{"role": "user", "content": "Write a Python function that reverses a list."}]}) + "\n")
     evaluate = {
@@ -146,7 +141,7 @@ def test_points_are_evaluated_by_really_decoding(tmp_path, tiny_store):
                       "max_new_tokens": 8, "settings": [{"num_draft_tokens": 3}], "baseline": False,
                       "warmup_tokens": 0, "proxy": None, "device": "cpu"},
     }
-    recipe_path = write_sweep(tmp_path / "sweep.yaml", tiny_store, grid={"ttt_length": [2]}, evaluate=evaluate)
+    recipe_path = write_sweep(tmp_path / "sweep.yaml", reference_store, grid={"ttt_length": [2]}, evaluate=evaluate)
     report = run_sweep(load_sweep_recipe(recipe_path))
     assert report.ok and report.metric == "acceptance_length"
     row = report.results.iloc[0]
@@ -157,9 +152,9 @@ def test_points_are_evaluated_by_really_decoding(tmp_path, tiny_store):
     assert (tmp_path / "out" / "plots" / "acceptance_length_vs_ttt_length.png").exists()
 
 
-def test_a_bad_evaluate_recipe_fails_before_training(tmp_path, tiny_store):
+def test_a_bad_evaluate_recipe_fails_before_training(tmp_path, reference_store):
     evaluate = {"recipe": str(REPO / "recipes" / "reference" / "evaluate.yaml"), "overrides": {"settings": []}}
-    recipe_path = write_sweep(tmp_path / "sweep.yaml", tiny_store, grid={"ttt_length": [2]}, evaluate=evaluate)
+    recipe_path = write_sweep(tmp_path / "sweep.yaml", reference_store, grid={"ttt_length": [2]}, evaluate=evaluate)
     with pytest.raises(RecipeError, match="(?s)the sweep's evaluate recipe.*settings"):
         run_sweep(load_sweep_recipe(recipe_path))
     assert not (tmp_path / "out").exists()

@@ -11,8 +11,7 @@ import pytest
 import hsstore
 from hsstore.errors import LineageMismatchError
 from pipelines.train.lineage_check import check_lineage, choose_teacher
-
-from .conftest import REFERENCE_TARGET, reference_lineage
+from tests.factories import REFERENCE_TARGET, reference_lineage
 
 
 def write_store(url: Path, lineage: hsstore.Lineage, num_aux: int = 3, hidden: int = 384) -> hsstore.Store:

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from pipelines.train.target_heads import TargetWeightsError, load_target_heads
-
-REFERENCE_TARGET = Path(__file__).resolve().parents[3] / "examples" / "reference-target"
+from tests.factories import REFERENCE_TARGET
 
 
 @pytest.fixture(scope="module")

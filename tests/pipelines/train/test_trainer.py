@@ -16,8 +16,7 @@ from typing import Any
 import pytest
 
 from pipelines.train import TrainRecipe, run_training
-
-from .conftest import REFERENCE_TARGET
+from tests.factories import REFERENCE_TARGET
 
 pytestmark = pytest.mark.slow
 

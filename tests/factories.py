@@ -1,0 +1,134 @@
+"""The one place tests find the repository's fixtures on disk and build stores.
+
+- paths: the repository, the in-repo reference target, the bundled data (and ../shared/data where a
+  development machine has it);
+- synthetic stores (:func:`write_store`): random features written through the public writer, for
+  store, loader and fault tests;
+- stores of real features (:func:`extract_reference_store`): the reference target through the
+  project's own extraction; tests/conftest.py builds one per session (``reference_store``);
+- :func:`reference_lineage`: the lineage extraction records for the reference target, for tests
+  that write small synthetic stores which must pass the trainer's lineage check.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import hsstore
+from hsstore import FeatureSpec, Lineage
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+REFERENCE_TARGET = REPO_ROOT / "examples" / "reference-target"
+EXAMPLES_DATA = REPO_ROOT / "examples" / "data"
+TRAIN_SLICE = EXAMPLES_DATA / "draft_train_slice.jsonl"
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+# The training records: the full set on development machines, the bundled slice on a fresh clone.
+TRAIN_DATA = SHARED_DATA / "draft_train.jsonl" if (SHARED_DATA / "draft_train.jsonl").exists() else TRAIN_SLICE
+REFERENCE_AUX_LAYER_IDS = [2, 4, 5]  # [2, L//2, L-3] for the 8-layer reference target
+
+
+# -- synthetic stores -----------------------------------------------------------------------------
+
+HIDDEN = 16
+NUM_AUX = 3
+
+
+def make_specs(codec: str = "bf16", compression: str = "none", hidden: int = HIDDEN) -> list[FeatureSpec]:
+    # Tiny chunks so that a few hundred tokens span several inner chunks and Zarr shard files.
+    return [
+        FeatureSpec(name="aux_hidden_states", shape=(NUM_AUX, hidden), codec=codec, compression=compression, chunk_bytes=1024, shard_chunks=2),
+        FeatureSpec(name="final_hidden_state", shape=(hidden,), codec=codec, compression=compression, chunk_bytes=1024, shard_chunks=3),
+    ]
+
+
+def make_lineage(**overrides: Any) -> Lineage:
+    return Lineage(aux_layer_ids=[2, 4, 5], max_length=512, code_version="test", **overrides)
+
+
+def make_sample(index: int, num_tokens: int, hidden: int = HIDDEN, seed: int = 0) -> dict[str, Any]:
+    rng = np.random.default_rng(seed * 100_003 + index)
+    return {
+        "sample_id": f"sample-{index:05d}",
+        "source_id": f"record-{index}",
+        "input_ids": rng.integers(0, 1000, num_tokens).astype(np.int32),
+        "loss_mask": (rng.random(num_tokens) < 0.7).astype(np.uint8),
+        "features": {
+            "aux_hidden_states": rng.standard_normal((num_tokens, NUM_AUX, hidden)).astype(np.float32),
+            "final_hidden_state": rng.standard_normal((num_tokens, hidden)).astype(np.float32),
+        },
+    }
+
+
+def write_store(url: str, num_samples: int = 12, shard_max_tokens: int = 200, codec: str = "bf16", compression: str = "none", seed: int = 0, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Write ``num_samples`` random samples (lengths 0..60) and return them."""
+    rng = np.random.default_rng(seed)
+    samples = [make_sample(i, int(rng.integers(0, 60)), seed=seed) for i in range(num_samples)]
+    with hsstore.StoreWriter(url, make_specs(codec, compression), make_lineage(), shard_max_tokens=shard_max_tokens, storage_options=storage_options) as writer:
+        for sample in samples:
+            writer.add_sample(**sample)
+    return samples
+
+
+# -- stores of real features ---------------------------------------------------------------------
+
+
+def reference_lineage(target_dir: Path, aux_layer_ids: list[int], max_length: int) -> Any:
+    from pipelines import target_identity as ti
+
+    found = ti.target_identity(target_dir)
+    return hsstore.Lineage(
+        target=hsstore.TargetIdentity(
+            name_or_path=str(target_dir),
+            architecture=found["architecture"],
+            model_type=found["model_type"],
+            config_sha256=found["config_sha256"],
+            weights_sha256=found["weight_files"],
+            num_hidden_layers=found["num_hidden_layers"],
+            hidden_size=found["hidden_size"],
+            vocab_size=found["vocab_size"],
+            dtype="float32",  # CPU bf16 matmuls are ~10x slower than float32 here
+        ),
+        tokenizer_sha256=ti.tokenizer_sha256(target_dir),
+        chat_template_sha256=ti.chat_template_sha256(ti.read_chat_template(target_dir)),
+        aux_layer_ids=aux_layer_ids,
+        max_length=max_length,
+        data_fingerprint="tests:draft_train.jsonl",
+    )
+
+
+def extract_reference_store(
+    url: str,
+    records_path: Path,
+    *,
+    num_records: int = 40,
+    max_length: int = 256,
+    aux_layer_ids: list[int] | None = None,
+    codec: str = "bf16",
+    token_budget: int = 2048,
+) -> str:
+    """Run the project's extraction (in process, no Ray) over the first records, truncated: the
+    one way tests build a store of real features."""
+    from pipelines.extract import ExtractRecipe, run_extraction
+    from pipelines.recipe import build_recipe
+
+    recipe = build_recipe(
+        ExtractRecipe,
+        {
+            "target": str(REFERENCE_TARGET),
+            "data": [str(records_path)],
+            "store": url,
+            "limit": num_records,
+            "executor": "local",
+            # CPU bf16 matmuls are several times slower than float32 on these machines.
+            "model": {"dtype": "float32", "device": "cpu"},
+            "capture": {"aux_layer_ids": aux_layer_ids or REFERENCE_AUX_LAYER_IDS},
+            "codecs": {"aux_hidden_states": {"codec": codec}, "final_hidden_state": {"codec": codec}},
+            "batching": {"max_length": max_length, "too_long": "truncate", "token_budget": token_budget},
+            "units": {"max_tokens": max(token_budget, 2048)},
+        },
+    )
+    run_extraction(recipe)
+    return url
