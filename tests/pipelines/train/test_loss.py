@@ -81,3 +81,33 @@ def test_final_hidden_teacher_rows_equal_the_dense_teacher():
     torch.testing.assert_close(rows.probs(index, torch.float32), dense.probs_BTV.reshape(B * T, -1)[index])
     # Small chunks give the same validity.
     assert torch.equal(head.valid(hidden.reshape(B * T, H), chunk_elements=13), valid.reshape(-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("teacher_kind", ["final_hidden", "dense"])
+def test_compiled_chunk_kernel_equals_eager_on_gpu(teacher_kind):
+    gen = torch.Generator().manual_seed(3)
+    N, H, V, VT = 700, 64, 500, 900
+    x = torch.randn(N, H, generator=gen).cuda().requires_grad_(True)
+    w = torch.randn(V, H, generator=gen).cuda().requires_grad_(True)
+    rows = torch.arange(N, device="cuda")
+    if teacher_kind == "final_hidden":
+        lm_head = torch.randn(VT, H, generator=gen).cuda()
+        counts = torch.randint(0, 50, (VT,), generator=gen)
+        vocab = calibrate_vocab(counts, V)
+        teacher = FinalHiddenTeacherRows(torch.randn(1, N, H, generator=gen).cuda(), TeacherHead(lm_head, vocab.d2t, vocab.t2d))
+    else:
+        teacher = DenseTeacherRows(torch.softmax(torch.randn(1, N, V, generator=gen), -1).cuda())
+    results = []
+    for compiled in (False, True):
+        x.grad = w.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ce, correct = linear_soft_cross_entropy(x, w, teacher, rows, chunk=256, compiled=compiled)
+        ce.backward()
+        results.append((ce.detach(), int(correct), x.grad.clone(), w.grad.clone()))
+    (ce0, c0, gx0, gw0), (ce1, c1, gx1, gw1) = results
+    torch.testing.assert_close(ce1, ce0, rtol=1e-5, atol=1e-3)
+    assert abs(c1 - c0) <= 2  # argmax ties may break differently in bf16
+    torch.testing.assert_close(gx1, gx0, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(gw1, gw0, rtol=2e-2, atol=2e-3)
