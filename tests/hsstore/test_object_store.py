@@ -21,7 +21,7 @@ import pytest
 import hsstore
 from hsstore import FeatureSpec
 from hsstore.read_cache import ReadCache
-from tests.hsstore.helpers import make_lineage, make_sample
+from tests.factories import make_lineage, make_sample
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
