@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from hsstore.aux_layers import AUX_HIDDEN_STATES
 from pipelines.models.eagle3 import Eagle3Draft
 from pipelines.train.candidate import candidate_step_loss
 from pipelines.train.teacher import TeacherHead, teacher_rows
 from pipelines.train.ttt import doc_remaining_from_ids, ttt_forward, ttt_step_masks, ttt_unroll
 
-AUX = "aux_hidden_states"
+AUX = AUX_HIDDEN_STATES
 
 
 @dataclass

@@ -25,6 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+from hsstore.aux_layers import DRAFT_PROBS as DRAFT_PROBS_FEATURE
+from hsstore.aux_layers import FINAL_HIDDEN_STATE, TOPK_IDS, TOPK_LOGITS
+
 FINAL_HIDDEN = "final_hidden"
 TOPK = "topk"
 DRAFT_PROBS = "draft_probs"
@@ -123,12 +126,12 @@ def build_teacher(
         if lm_head_VH is None:
             raise ValueError("teacher mode 'final_hidden' needs the target's lm_head weight")
         return teacher_from_final_hidden(
-            features["final_hidden_state"], lm_head_VH, d2t, t2d, vocab_chunk
+            features[FINAL_HIDDEN_STATE], lm_head_VH, d2t, t2d, vocab_chunk
         )
     if mode == TOPK:
-        return teacher_from_topk(features["topk_logits"], features["topk_ids"], d2t, t2d)
+        return teacher_from_topk(features[TOPK_LOGITS], features[TOPK_IDS], d2t, t2d)
     if mode == DRAFT_PROBS:
-        probs = features["draft_probs"]
+        probs = features[DRAFT_PROBS_FEATURE]
         if probs.shape[-1] != d2t.shape[0]:
             raise ValueError(
                 f"draft_probs cover {probs.shape[-1]} ids but the draft vocabulary has {d2t.shape[0]}: "
@@ -223,7 +226,7 @@ def teacher_rows(
     if mode == FINAL_HIDDEN:
         if head is None:
             raise ValueError("teacher mode 'final_hidden' needs a TeacherHead (the target's lm_head)")
-        final = features["final_hidden_state"]
+        final = features[FINAL_HIDDEN_STATE]
         rows = FinalHiddenTeacherRows(final, head)
         return rows, rows.valid().reshape(final.shape[:2])
     dense = build_teacher(mode, features, d2t=d2t, t2d=t2d)
