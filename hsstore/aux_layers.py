@@ -66,6 +66,27 @@ def check_aux_layer_ids(aux_layer_ids: Sequence[int], num_hidden_layers: int, *,
     return ids
 
 
+def select_aux_layers(captured: Sequence[int], chosen: Sequence[int] | None, *, what: str = "aux_layer_ids") -> list[int]:
+    """Positions in ``captured`` (a store's ``aux_layer_ids``, the order of its aux feature's leading
+    axis) of the layer ids ``chosen`` (a training recipe's subset, in its order); all of them when
+    ``chosen`` is None. Raises :class:`AuxLayerError` naming the ids the store holds."""
+    captured = [int(i) for i in captured]
+    if chosen is None:
+        return list(range(len(captured)))
+    chosen = [int(i) for i in chosen]
+    if not chosen:
+        raise AuxLayerError(f"{what} is empty; pick some of the store's aux layers {captured}")
+    if len(set(chosen)) != len(chosen):
+        raise AuxLayerError(f"{what} {chosen} repeats a layer")
+    missing = [i for i in chosen if i not in captured]
+    if missing:
+        raise AuxLayerError(
+            f"{what} {missing} are not in the store: it holds aux layers {captured} "
+            "(lineage aux_layer_ids); pick from those or extract with them in capture.aux_layer_ids"
+        )
+    return [captured.index(i) for i in chosen]
+
+
 def is_final_norm_output(layer_id: int, num_hidden_layers: int) -> bool:
     """Whether aux id ``layer_id`` is the post-norm final state (id L) rather than a layer's input."""
     return layer_id == num_hidden_layers
@@ -83,4 +104,5 @@ __all__ = [
     "check_aux_layer_ids",
     "default_aux_layer_ids",
     "is_final_norm_output",
+    "select_aux_layers",
 ]

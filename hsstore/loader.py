@@ -30,7 +30,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -89,9 +89,13 @@ class StreamingLoader:
         decode_on_host: bool = False,
         storage_options: dict[str, Any] | None = None,
         cache: ReadCache | None = None,
+        layers: Mapping[str, Sequence[int]] | None = None,
     ) -> None:
         """``storage_options`` and ``cache`` apply when ``store`` is a URL (see :func:`open_store`);
-        a ``cache`` given with an open :class:`Store` is attached to it."""
+        a ``cache`` given with an open :class:`Store` is attached to it. ``layers`` picks indices of
+        a feature's leading axis (``{"aux_hidden_states": [0, 2, 4]}``: a subset of the captured aux
+        layers, see :func:`hsstore.aux_layers.select_aux_layers`); batches hold only those, and a
+        store written with ``layer_arrays`` is read only for them."""
         if isinstance(store, (str, os.PathLike)):
             store = open_store(store, storage_options=storage_options, cache=cache)
         elif cache is not None:
@@ -117,7 +121,14 @@ class StreamingLoader:
         self.decode_on_host = decode_on_host
         # Fixed for the loader's life (read per batch): the features as stored, as batches hold
         # them, and the fp8 ones the readers decode to bf16 (decode_on_host).
-        self._stored_specs = {name: self.store.features[name] for name in self.features}
+        self.layers = {name: [int(i) for i in chosen] for name, chosen in (layers or {}).items()}
+        unknown = sorted(set(self.layers) - set(self.features))
+        if unknown:
+            raise LoaderError(f"layers given for {unknown}, which are not among the features read {self.features}")
+        try:
+            self._stored_specs = {name: self.store.feature_spec(name, self.layers) for name in self.features}
+        except ValueError as err:
+            raise LoaderError(f"{self.store.url}: {err}") from err
         self._decoded_here = {
             name: spec for name, spec in self._stored_specs.items() if decode_on_host and spec.codec == "fp8_e4m3"
         }
@@ -298,7 +309,7 @@ class StreamingLoader:
     def _read_into(self, sample: int, length: int, out: dict[str, np.ndarray]) -> None:
         shard_id, offset = self._catalog.locate(sample)
         if not self._decoded_here:
-            self.store.read_token_range(shard_id, offset, offset + length, self.features, out=out)
+            self.store.read_token_range(shard_id, offset, offset + length, self.features, out=out, layers=self.layers)
             return
         # decode_on_host: fp8 bits and scales land in this thread's scratch, then decode into the
         # batch's bf16 slots. Every reader decodes its own samples, so decoding spreads over the
@@ -314,7 +325,7 @@ class StreamingLoader:
                 if buffer is None or buffer.size < size:
                     buffer = scratch[key] = np.empty(max(size, 2 * (0 if buffer is None else buffer.size)), dtype=dtype)
                 targets[key] = buffer[:size].reshape(length, *per_token)
-        self.store.read_token_range(shard_id, offset, offset + length, self.features, out=targets)
+        self.store.read_token_range(shard_id, offset, offset + length, self.features, out=targets, layers=self.layers)
         for name, spec in self._decoded_here.items():
             bf16 = torch.from_numpy(out[name].view(np.int16)).view(torch.bfloat16)
             raw = {key: targets[key] for key in spec.array_names()}

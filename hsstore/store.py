@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import threading
+from collections.abc import Mapping, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,7 @@ from hsstore.format.layout import (
     samples_path,
 )
 from hsstore.info import store_info
+from hsstore.layer_read import read_layers
 from hsstore.lineage import Lineage
 from hsstore.location import StoreLocation
 from hsstore.manifest import FileEntry, ShardRecord, StoreManifest
@@ -238,6 +240,7 @@ class Store:
         features: list[str] | None = None,
         *,
         out: dict[str, np.ndarray] | None = None,
+        layers: Mapping[str, Sequence[int]] | None = None,
     ) -> dict[str, np.ndarray]:
         """Stored bits of tokens ``[start, stop)`` of one shard, undecoded.
 
@@ -245,7 +248,12 @@ class Store:
         the Arrow table. ``out`` may give, per array name, a C-contiguous destination of shape
         ``[stop - start, ...]`` and the stored dtype (e.g. a slice of a batch buffer): the rows are
         read straight into it. Decode with :func:`hsstore.codecs.decode_torch` (on the GPU) or
-        :func:`hsstore.codecs.decode_numpy`.
+        :func:`hsstore.codecs.decode_numpy`, with the spec ``self.feature_spec(name, layers)``.
+
+        ``layers`` picks indices of a feature's leading axis (aux layers, in the order given): the
+        result holds ``[stop - start, len(indices), ...]``. A feature written with
+        ``layer_arrays`` reads only those layers' arrays; any other reads its rows whole and keeps
+        the chosen layers (same result, no saving: stores written before layer_arrays).
         """
         shard = self.shard(shard_id)
         if not 0 <= start <= stop <= shard.num_tokens:
@@ -259,12 +267,25 @@ class Store:
                 continue
             if name not in self.features:
                 raise KeyError(f"{self.url}: no feature {name!r} (has {sorted(self.features)})")
-            for array_name in self.features[name].array_names():
+            spec = self.features[name]
+            chosen = None if layers is None else layers.get(name)
+            if chosen is not None or spec.layer_arrays:
+                result.update(read_layers(lambda array_name: self._array(shard, array_name), spec, chosen, start, stop, out))
+                continue
+            for array_name in spec.array_names():
                 # Damage raises ShardCorruptError naming the file, an I/O failure OSError; anything
                 # else is a bug and must not be mistaken for (and skipped as) corruption.
                 target = None if out is None else out.get(array_name)
                 result[array_name] = self._array(shard, array_name).read(start, stop, target)
         return result
+
+    def feature_spec(self, name: str, layers: Mapping[str, Sequence[int]] | None = None) -> FeatureSpec:
+        """The spec of feature ``name`` as :meth:`read_token_range` hands it out with ``layers``."""
+        spec = self.features[name]
+        chosen = None if layers is None else layers.get(name)
+        if chosen is None:
+            return spec.select(range(spec.shape[0])) if spec.layer_arrays else spec
+        return spec.select(list(chosen))
 
     def read_sample(
         self,
@@ -273,19 +294,20 @@ class Store:
         *,
         as_numpy: bool = False,
         device: str | torch.device | None = None,
+        layers: Mapping[str, Sequence[int]] | None = None,
     ) -> dict[str, Any]:
         """One sample, decoded to its logical dtype.
 
         Torch tensors by default (bf16 stays bf16); ``as_numpy=True`` gives numpy arrays with bf16/fp8
         decoded to float32 and needs no torch. Also carries ``sample_id``, ``source_id``, ``input_ids``
-        and ``loss_mask``.
+        and ``loss_mask``. ``layers``: as in :meth:`read_token_range`.
         """
         shard, row = self.locate(index)
         table = self.shard_samples(shard.shard_id)
         offset = table.column("token_offset")[row].as_py()
         num_tokens = table.column("num_tokens")[row].as_py()
         names = [n for n in (list(self.features) if features is None else features) if n not in TABLE_FEATURES]
-        raw = self.read_token_range(shard.shard_id, offset, offset + num_tokens, names)
+        raw = self.read_token_range(shard.shard_id, offset, offset + num_tokens, names, layers=layers)
         sample: dict[str, Any] = {
             "sample_id": table.column("sample_id")[row].as_py(),
             "source_id": table.column("source_id")[row].as_py(),
@@ -295,14 +317,14 @@ class Store:
         if as_numpy:
             sample["input_ids"], sample["loss_mask"] = ids, mask
             for name in names:
-                sample[name] = codecs.decode_numpy(self.features[name], raw)
+                sample[name] = codecs.decode_numpy(self.feature_spec(name, layers), raw)
             return sample
         import torch
 
         sample["input_ids"] = torch.from_numpy(ids.astype(np.int64)).to(device)
         sample["loss_mask"] = torch.from_numpy(mask.astype(bool)).to(device)
         for name in names:
-            sample[name] = codecs.decode_torch(self.features[name], raw, device=device)
+            sample[name] = codecs.decode_torch(self.feature_spec(name, layers), raw, device=device)
         return sample
 
     def __len__(self) -> int:

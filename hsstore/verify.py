@@ -127,7 +127,7 @@ def _check_arrays(location: StoreLocation, manifest: StoreManifest, shard: Shard
     problems = []
     root = features_root(shard.path)
     for spec in manifest.features:
-        for array_name, tail, _ in spec.stored_arrays():
+        for array_name, tail, _, _, _ in spec.file_arrays():
             where = f"{root}/{array_name}"
             try:
                 array: Any = zarr.open_array(location.zarr_store(root, read_only=True), path=array_name, mode="r")

@@ -91,11 +91,14 @@ class ShardWriter:
         # Each array streams its chunks to its own files from its own thread (ArrayWriter);
         # the arrays' zarr.json is written by zarr in finish(), once the token count is known.
         self._streams: dict[str, ArrayWriter] = {}
+        # The arrays written (per aux layer with layer_arrays) and which encoded array each is cut from.
+        self._file_arrays = [array for spec in features for array in spec.file_arrays()]
+        self._logical = {name: (tuple(shape), dtype) for spec in features for name, shape, dtype in spec.stored_arrays()}
         for spec in features:
-            for array_name, row_shape, dtype in spec.stored_arrays():
+            for array_name, row_shape, dtype, logical, _ in spec.file_arrays():
                 chunk_tokens = spec.chunk_tokens or 1
                 shard_tokens = spec.shard_tokens
-                if array_name != spec.name:  # a codec's extra array (fp8 scales): a few bytes per token
+                if logical != spec.name:  # a codec's extra array (fp8 scales): a few bytes per token
                     chunk_tokens *= SCALE_GROUPING
                     shard_tokens = None if shard_tokens is None else SCALE_GROUPING * shard_tokens
                 self._streams[array_name] = ArrayWriter(
@@ -143,7 +146,7 @@ class ShardWriter:
                     f"sample {sample_id}: feature {name!r} has {values.shape[0]} tokens, input_ids {num_tokens}"
                 )
             encoded.update(codecs.encode(spec, values))
-        self._append_arrays(encoded, parallel=False)
+        self._append_arrays(self._cut(encoded), parallel=False)
         self._add_row(sample_id, source_id, ids, mask)
 
     def add_encoded_samples(
@@ -163,22 +166,22 @@ class ShardWriter:
             raise StoreWriteError(f"shard {self.shard_id}: add_encoded_samples after finish()")
         checked = [self._check_sample(sample_id, ids, mask) for sample_id, _, ids, mask in rows]
         num_tokens = sum(len(ids) for ids, _ in checked)
-        if set(arrays) != set(self._streams):
+        if set(arrays) != set(self._logical):
             raise StoreWriteError(
-                f"shard {self.shard_id}: encoded arrays must be exactly {sorted(self._streams)}, "
+                f"shard {self.shard_id}: encoded arrays must be exactly {sorted(self._logical)}, "
                 f"got {sorted(arrays)}"
             )
-        for name, stream in self._streams.items():
+        for name, (row_shape, dtype) in self._logical.items():
             array = arrays[name]
-            if array.shape != (num_tokens, *stream.row_shape) or array.dtype != stream.dtype:
+            if array.shape != (num_tokens, *row_shape) or array.dtype != np.dtype(dtype):
                 raise StoreWriteError(
                     f"shard {self.shard_id}: encoded array {name!r} is {array.dtype} "
-                    f"{tuple(array.shape)}; expected {stream.dtype} {(num_tokens, *stream.row_shape)} "
+                    f"{tuple(array.shape)}; expected {dtype} {(num_tokens, *row_shape)} "
                     f"for {len(rows)} samples"
                 )
         for spec in self.features.values():
             codecs.check_encoded(spec, arrays)
-        self._append_arrays(arrays, parallel=True)
+        self._append_arrays(self._cut(arrays), parallel=True)
         for (sample_id, source_id, _, _), (ids, mask) in zip(rows, checked, strict=True):
             self._add_row(sample_id, source_id, ids, mask)
 
@@ -194,6 +197,14 @@ class ShardWriter:
         if sample_id in self._sample_ids:
             raise StoreWriteError(f"shard {self.shard_id}: duplicate sample_id {sample_id!r}")
         return ids, mask
+
+    def _cut(self, encoded: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The encoded (logical) arrays as the arrays written: a layer_arrays feature's values and
+        scales cut into one array per leading index (strided views; the streams copy them)."""
+        return {
+            array.name: encoded[array.logical] if array.layer is None else encoded[array.logical][:, array.layer]
+            for array in self._file_arrays
+        }
 
     def _append_arrays(self, encoded: dict[str, np.ndarray], *, parallel: bool) -> None:
         try:

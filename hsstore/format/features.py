@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Sequence
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from hsstore.format.layout import TABLE_FEATURES
 from hsstore.format.registry import FeatureCodec, codec_for
@@ -23,6 +31,17 @@ def default_chunk_tokens(bytes_per_token: int) -> int:
     """The default tokens per inner chunk for rows of ``bytes_per_token`` stored bytes."""
     fit = max(1, DEFAULT_CHUNK_BYTES // max(1, bytes_per_token))
     return min(MAX_DEFAULT_CHUNK_TOKENS, 1 << (fit.bit_length() - 1))
+
+
+class FileArray(NamedTuple):
+    """One Zarr array of a feature as written: its name, per-token shape and stored dtype, and the
+    logical array (name, leading index or None) whose bits it holds."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    logical: str
+    layer: int | None  # the leading index it holds; None: the whole logical array
 
 
 class FeatureSpec(BaseModel):
@@ -63,6 +82,14 @@ class FeatureSpec(BaseModel):
             "written as a stream (the fewest files)"
         ),
     )
+    layer_arrays: bool = Field(
+        default=False,
+        description=(
+            "store each index of the leading axis (each aux layer of [K, H]) as its own Zarr array "
+            "'<name>.<i>' (fp8: with '<name>.<i>.scale'), so that a reader of some layers reads only "
+            "their bytes; readers still see one [K, H] feature (FeatureSpec.select)"
+        ),
+    )
 
     @field_validator("codec")
     @classmethod
@@ -79,14 +106,27 @@ class FeatureSpec(BaseModel):
 
     @model_validator(mode="after")
     def _resolve_chunk_tokens(self) -> FeatureSpec:
-        # Resolved once, here, so that the manifest records the chunk length actually written.
+        if self.layer_arrays and len(self.shape) < 2:
+            raise ValueError(f"layer_arrays splits the leading axis of a [K, ...] feature; {self.name} has shape {self.shape}")
+        # Resolved once, here, so that the manifest records the chunk length actually written. With
+        # layer_arrays, a chunk holds one layer: sized by one layer's bytes per token.
         if self.chunk_tokens is None:
+            row_bytes = self.value_bytes_per_token // (self.shape[0] if self.layer_arrays else 1)
             if self.chunk_bytes is not None:
-                tokens = max(1, self.chunk_bytes // self.value_bytes_per_token)
+                tokens = max(1, self.chunk_bytes // row_bytes)
             else:
-                tokens = default_chunk_tokens(self.value_bytes_per_token)
+                tokens = default_chunk_tokens(row_bytes)
             object.__setattr__(self, "chunk_tokens", tokens)
         return self
+
+    @model_serializer(mode="wrap")
+    def _omit_default_layout(self, handler: Any) -> dict[str, Any]:
+        # layer_arrays is written only when set: manifests of the default layout stay as they were
+        # (and readable by code that predates the field).
+        data: dict[str, Any] = handler(self)
+        if not self.layer_arrays:
+            data.pop("layer_arrays", None)
+        return data
 
     @field_validator("name")
     @classmethod
@@ -150,5 +190,28 @@ class FeatureSpec(BaseModel):
         return [(self.name, self.shape, self.storage_dtype), *self.codec_impl.extra_arrays(self)]
 
     def array_names(self) -> list[str]:
-        """The Zarr arrays that hold this feature."""
+        """The arrays a reader hands out for this feature (values, then the codec's extra arrays)."""
         return [name for name, _, _ in self.stored_arrays()]
+
+    def file_arrays(self, layers: Sequence[int] | None = None) -> list[FileArray]:
+        """The Zarr arrays written for this feature, each with the logical array
+        (:meth:`stored_arrays`) it is cut from. Without ``layer_arrays`` these are the logical arrays
+        themselves; with it, one per leading index ``i`` (``layers``: only those indices):
+        ``<name>.<i>`` holds ``values[:, i]`` and ``<name>.<i>.scale`` holds ``scale[:, i]``."""
+        if not self.layer_arrays:
+            return [FileArray(name, shape, dtype, name, None) for name, shape, dtype in self.stored_arrays()]
+        indices = range(self.shape[0]) if layers is None else layers
+        return [
+            FileArray(f"{self.name}.{i}{name[len(self.name):]}", tuple(shape[1:]), dtype, name, int(i))
+            for i in indices
+            for name, shape, dtype in self.stored_arrays()
+        ]
+
+    def select(self, layers: Sequence[int]) -> FeatureSpec:
+        """The spec of ``layers`` (indices of the leading axis) as a reader hands them out: shape
+        ``[len(layers), ...]``, one logical array (what loaders allocate and decoders take)."""
+        bad = [i for i in layers if not 0 <= i < self.shape[0]]
+        if bad or not layers:
+            raise ValueError(f"{self.name}: layer indices {list(layers)} outside [0, {self.shape[0]})")
+        return self.model_copy(update={"shape": (len(layers), *self.shape[1:]), "layer_arrays": False})
+

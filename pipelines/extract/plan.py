@@ -209,6 +209,7 @@ def build_features(recipe: ExtractRecipe, num_aux: int, hidden_size: int) -> lis
             compression=choice.compression,
             compression_level=choice.compression_level,
             chunk_bytes=codecs.chunk_bytes,
+            layer_arrays=choice.layer_arrays,
         )
 
     features: list[FeatureSpec] = []

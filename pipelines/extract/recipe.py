@@ -85,6 +85,13 @@ class CodecChoice(RecipeModel):
     codec: Codec = "bf16"
     compression: Compression = "none"
     compression_level: int = Field(1, ge=0, le=22)
+    layer_arrays: bool = Field(
+        False,
+        description=(
+            "aux_hidden_states only: one Zarr array per captured layer, so that training on a subset "
+            "of capture.aux_layer_ids reads only those layers' bytes (FeatureSpec.layer_arrays)"
+        ),
+    )
 
 
 class CodecsSection(RecipeModel):
@@ -107,6 +114,13 @@ class CodecsSection(RecipeModel):
     def _float_codec(cls, choice: CodecChoice) -> CodecChoice:
         if choice.codec == "int32":
             raise ValueError("int32 is for ids; use bf16, fp8_e4m3 or float32")
+        return choice
+
+    @field_validator("final_hidden_state", "topk_logits")
+    @classmethod
+    def _no_layers(cls, choice: CodecChoice) -> CodecChoice:
+        if choice.layer_arrays:
+            raise ValueError("layer_arrays applies to aux_hidden_states only (a [layers, H] feature)")
         return choice
 
 

@@ -180,6 +180,14 @@ class TrainRecipe(RecipeModel):
         default=True,
         description="hash the target's weight files for the lineage check (~40 s for 16 GB unless HF-cached)",
     )
+    aux_layer_ids: list[int] | None = Field(
+        default=None,
+        description=(
+            "train on these aux layers (ids, in this order), a subset of the store's captured "
+            "lineage aux_layer_ids; null: all of them. The draft's fc takes len(ids) * H inputs and "
+            "export/evaluation carry these ids"
+        ),
+    )
     expect_aux_layer_ids: list[int] | None = Field(
         default=None, description="refuse a store whose aux layers differ (lineage check)"
     )

@@ -19,6 +19,7 @@ from hsstore.aux_layers import (
     FINAL_STATE_CONVENTION,
     LAYER_CONVENTION,
     TEACHER_FEATURES,
+    select_aux_layers,
 )
 from hsstore.errors import LineageMismatchError
 from hsstore.store import Store
@@ -66,6 +67,7 @@ def check_lineage(
     expect_aux_layer_ids: list[int] | None = None,
     draft_aux_layer_ids: list[int] | None = None,
     hash_weights: bool = True,
+    aux_layer_ids: list[int] | None = None,
 ) -> dict[str, Any]:
     """Refuse (LineageMismatchError) a store that does not match the target, tokenizer and recipe.
 
@@ -124,9 +126,11 @@ def check_lineage(
         raise _mismatch(store, "aux_layer_ids", aux, f"ids within [0, {num_layers}]", where)
     if expect_aux_layer_ids is not None and aux != list(expect_aux_layer_ids):
         raise _mismatch(store, "aux_layer_ids", aux, list(expect_aux_layer_ids), "the recipe (expect_aux_layer_ids)")
-    if draft_aux_layer_ids is not None and aux != list(draft_aux_layer_ids):
+    # The layers this run trains on: the recipe's aux_layer_ids, a subset of the captured ones.
+    chosen = [aux[i] for i in select_aux_layers(aux, aux_layer_ids, what="the recipe's aux_layer_ids")]
+    if draft_aux_layer_ids is not None and chosen != list(draft_aux_layer_ids):
         raise _mismatch(
-            store, "aux_layer_ids", aux, list(draft_aux_layer_ids), "the draft being continued",
+            store, "aux_layer_ids", chosen, list(draft_aux_layer_ids), "the draft being continued",
             "its fc was trained on other layers",
         )
     features = store.features
@@ -149,5 +153,6 @@ def check_lineage(
         "config_sha256": found["config_sha256"],
         "weights_checked": hash_weights,
         "aux_layer_ids": aux,
+        "train_aux_layer_ids": chosen,
         "codecs": {name: s.codec for name, s in features.items()},
     }

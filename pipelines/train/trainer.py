@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 import hsstore
+from hsstore.aux_layers import select_aux_layers
 from hsstore.loader import LoaderState, StreamingLoader
 from hsstore.read_cache import ReadCache
 from hsstore.torch_data import WaitTimer, to_device
@@ -110,7 +111,7 @@ def build_draft(
     config = Eagle3Config.from_target_config(
         AutoConfig.from_pretrained(recipe.target),
         draft_vocab_size=vocab.draft_vocab_size,
-        aux_layer_ids=list(store.lineage.aux_layer_ids),
+        aux_layer_ids=training_aux_layer_ids(recipe, store),
         sliding_window=recipe.draft.sliding_window,
         **sizes,
     )
@@ -170,6 +171,12 @@ def build_objective(
     return DraftObjective(
         draft, teacher_mode, head, recipe.ttt_length, recipe.attention, compile=use_compile(recipe, device)
     )
+
+
+def training_aux_layer_ids(recipe: TrainRecipe, store: hsstore.Store) -> list[int]:
+    """The aux layer ids this run trains on: the recipe's subset of the store's captured layers."""
+    captured = list(store.lineage.aux_layer_ids)
+    return [captured[i] for i in select_aux_layers(captured, recipe.aux_layer_ids)]
 
 
 def loader_arguments(recipe: TrainRecipe, dist_state: Distributed, device: torch.device) -> dict[str, Any]:
@@ -251,6 +258,7 @@ def _run(recipe: TrainRecipe, dist_state: Distributed, device: torch.device, sto
     lineage = check_lineage(
         store, recipe.target, expect_aux_layer_ids=recipe.expect_aux_layer_ids,
         draft_aux_layer_ids=continued_draft_aux_ids(recipe), hash_weights=recipe.verify_weights,
+        aux_layer_ids=recipe.aux_layer_ids,
     )
     logger.info("lineage ok: %s", lineage)
 
@@ -273,6 +281,8 @@ def _run(recipe: TrainRecipe, dist_state: Distributed, device: torch.device, sto
     # The loader: teacher features only for stage 1 (stage 2's teacher is the draft's own head).
     features = [AUX] + (list(TEACHER_FEATURES[teacher_mode]) if recipe.stage == "draft" else [])
     loader_kwargs = loader_arguments(recipe, dist_state, device)
+    # Only the chosen aux layers are read (a store written with layer_arrays reads only their bytes).
+    loader_kwargs["layers"] = {AUX: select_aux_layers(store.lineage.aux_layer_ids, recipe.aux_layer_ids)}
     loader = StreamingLoader(store, features, **loader_kwargs)
     accum = recipe.grad_accum_steps
     total_steps = recipe.max_steps or sum(loader.num_batches(e) for e in range(recipe.schedule.epochs)) // accum
