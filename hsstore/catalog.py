@@ -3,8 +3,9 @@ tables of stores written before ``ShardRecord.sample_tokens``)."""
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, overload
@@ -14,6 +15,8 @@ import numpy as np
 from hsstore.errors import ShardCorruptError
 from hsstore.manifest import decode_sample_tokens
 from hsstore.store import Store
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -31,6 +34,7 @@ class SampleCatalog:
     sample_names: Sequence[str]
     columns: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    opened: set[str] = field(default_factory=set, repr=False)  # shards whose first fetches were sent
 
     def locate(self, sample: int) -> tuple[str, int]:
         """(shard id, first token) of global sample ``sample``."""
@@ -50,11 +54,39 @@ class SampleCatalog:
             self.columns[shard] = columns
         return columns
 
+    def open_ahead(
+        self, samples: Iterable[int], features: Sequence[str], layers: Mapping[str, Sequence[int]], pool: ThreadPoolExecutor
+    ) -> None:
+        """Submit to ``pool`` the first-use fetches (sample table; per array its zarr.json and index)
+        of the shards of ``samples`` not opened yet. On object storage each is a round trip that a
+        shard's first read would otherwise wait for, one after another. Errors are left to the
+        sample read that needs the same file (it raises with the shard named, or skips)."""
+        shard_ids = {self.locate(s)[0] for s in samples}
+        with self._lock:
+            new = sorted(shard_ids - self.opened)
+            self.opened.update(new)
+        for shard_id in new:
+            pool.submit(_quietly, self.store.open_ahead, shard_id)
+            for name in features:
+                for array_name in self.store.files_to_read(name, layers):
+                    pool.submit(_quietly, self.store.open_ahead, shard_id, array_name)
+
     def sample_tokens(self, sample: int, length: int) -> tuple[np.ndarray, np.ndarray]:
         """The first ``length`` input ids and loss-mask values of global sample ``sample``."""
         ids, ids_off, mask, mask_off = self._columns(int(self.shard_of[sample]))
         row = int(self.row_of[sample])
         return ids[ids_off[row] : ids_off[row] + length], mask[mask_off[row] : mask_off[row] + length]
+
+
+# Shards' first-use files (table, zarr.json, index) fetched at once ahead of their reads (remote).
+OPEN_AHEAD_THREADS = 16
+
+
+def _quietly(function: Callable[..., None], *args: Any) -> None:
+    try:
+        function(*args)
+    except Exception:  # noqa: BLE001 - the sample read that needs the file raises it
+        logger.debug("open-ahead %s failed", args, exc_info=True)
 
 
 # Sample tables fetched at once when a manifest lacks per-sample lengths (stores written before

@@ -26,7 +26,6 @@ torch-facing half (``DeviceBatch``, ``to_device``, ``StoreBatchDataset``, ``make
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -37,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from hsstore.batches import BatchBufferPool, BatchPosition, HostBatch, LoaderState
-from hsstore.catalog import build_catalog
+from hsstore.catalog import OPEN_AHEAD_THREADS, build_catalog
 from hsstore.errors import ShardCorruptError
 from hsstore.format import codecs
 from hsstore.format.features import FeatureSpec
@@ -91,22 +90,16 @@ class StreamingLoader:
         cache: ReadCache | None = None,
         layers: Mapping[str, Sequence[int]] | None = None,
     ) -> None:
-        """``storage_options`` and ``cache`` apply when ``store`` is a URL (see :func:`open_store`);
-        a ``cache`` given with an open :class:`Store` is attached to it. ``layers`` picks indices of
-        a feature's leading axis (``{"aux_hidden_states": [0, 2, 4]}``: a subset of the captured aux
-        layers, see :func:`hsstore.aux_layers.select_aux_layers`); batches hold only those, and a
-        store written with ``layer_arrays`` is read only for them."""
-        if isinstance(store, (str, os.PathLike)):
-            store = open_store(store, storage_options=storage_options, cache=cache)
-        elif cache is not None:
-            store.cache = cache
-        self.store = store
+        """``storage_options``, ``cache``: for a URL (:func:`open_store`); a cache is attached to a
+        given Store. ``layers``: leading indices to read per feature (``{"aux_hidden_states": [0, 2]}``,
+        see :func:`hsstore.aux_layers.select_aux_layers`); batches hold only those."""
+        self.store: Store = store if isinstance(store, Store) else open_store(store, storage_options=storage_options, cache=cache)
+        self.store.cache = cache or self.store.cache
         self.features = [name for name in features if name not in TABLE_FEATURES]
         missing = [name for name in self.features if name not in self.store.features]
         if missing:
             raise LoaderError(
-                f"{self.store.url}: no feature(s) {missing}; the store holds {sorted(self.store.features)}"
-            )
+                f"{self.store.url}: no feature(s) {missing}; the store holds {sorted(self.store.features)}")
         self.token_budget = token_budget
         self.rows_per_batch = rows_per_batch
         self.seed = seed
@@ -122,9 +115,8 @@ class StreamingLoader:
         # Fixed for the loader's life (read per batch): the features as stored, as batches hold
         # them, and the fp8 ones the readers decode to bf16 (decode_on_host).
         self.layers = {name: [int(i) for i in chosen] for name, chosen in (layers or {}).items()}
-        unknown = sorted(set(self.layers) - set(self.features))
-        if unknown:
-            raise LoaderError(f"layers given for {unknown}, which are not among the features read {self.features}")
+        if set(self.layers) - set(self.features):
+            raise LoaderError(f"layers given for {sorted(self.layers)}, not all among the features read {self.features}")
         try:
             self._stored_specs = {name: self.store.feature_spec(name, self.layers) for name in self.features}
         except ValueError as err:
@@ -260,13 +252,20 @@ class StreamingLoader:
         group_size = max(1, self.prefetch_batches // 2)
         readers = ThreadPoolExecutor(max_workers=self.read_threads, thread_name_prefix="hsstore-read")
         assembler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsstore-assemble")
+        # Remote stores: fetch a group's shards' table, zarr.json and index at once (SampleCatalog.open_ahead).
+        opener = None if self.store.location.is_local else ThreadPoolExecutor(OPEN_AHEAD_THREADS, thread_name_prefix="hsstore-open")
         pending: deque[Future[list[HostBatch]]] = deque()
+        first = True
         try:
             while True:
-                group = [
+                group = [  # the first group is one batch: step 1 waits for one batch's reads
                     (epoch, j, self.plan(epoch).batches[j])
-                    for _, (epoch, j) in zip(range(group_size), mine, strict=False)
+                    for _, (epoch, j) in zip(range(1 if first else group_size), mine, strict=False)
                 ]
+                first = False
+                if group and opener is not None:
+                    samples = [int(s) for _, _, rows in group for row in rows for s in row]
+                    self._catalog.open_ahead(samples, self.features, self.layers, opener)
                 if group:
                     planned, reads = self._start_group(group, readers)
                     pending.append(assembler.submit(self._finish_group, planned, reads))
@@ -280,6 +279,8 @@ class StreamingLoader:
                 future.cancel()
             assembler.shutdown(wait=True, cancel_futures=True)
             readers.shutdown(wait=True, cancel_futures=True)
+            if opener is not None:
+                opener.shutdown(wait=True, cancel_futures=True)
 
     def _clipped_length(self, sample: int) -> int:
         return int(min(self._catalog.num_tokens[sample], self.token_budget))

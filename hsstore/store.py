@@ -279,6 +279,25 @@ class Store:
                 result[array_name] = self._array(shard, array_name).read(start, stop, target)
         return result
 
+    def files_to_read(self, name: str, layers: Mapping[str, Sequence[int]] | None = None) -> list[str]:
+        """The arrays :meth:`read_token_range` opens for feature ``name`` with ``layers``."""
+        spec = self.features[name]
+        chosen = None if layers is None else layers.get(name)
+        if spec.layer_arrays:
+            return [array.name for array in spec.file_arrays(None if chosen is None else list(chosen))]
+        return spec.array_names()
+
+    def open_ahead(self, shard_id: str, array_name: str | None = None) -> None:
+        """Fetch what a first read of a shard waits for (its sample table, or one array's
+        ``zarr.json`` and first index) now, e.g. from a pool while earlier batches are read: on
+        object storage these are round trips that would otherwise run one after another."""
+        if array_name is None:
+            self.shard_samples(shard_id)
+            return
+        reader = self._array(self.shard(shard_id), array_name)
+        if isinstance(reader, ArrayReader):
+            reader.warm()
+
     def feature_spec(self, name: str, layers: Mapping[str, Sequence[int]] | None = None) -> FeatureSpec:
         """The spec of feature ``name`` as :meth:`read_token_range` hands it out with ``layers``."""
         spec = self.features[name]

@@ -159,6 +159,11 @@ class ArrayReader:
             self._indexes[shard] = index
         return index
 
+    def warm(self) -> None:
+        """Fetch the first Zarr shard file's index now: a round trip a first read would wait for."""
+        if self.num_tokens:
+            self._index(0)
+
     def read(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
         """Rows ``[start, stop)``, into ``out`` (C-contiguous, shape ``[stop-start, *row_shape]``) if given."""
         layout = self.layout

@@ -109,9 +109,11 @@ class FeatureSpec(BaseModel):
         if self.layer_arrays and len(self.shape) < 2:
             raise ValueError(f"layer_arrays splits the leading axis of a [K, ...] feature; {self.name} has shape {self.shape}")
         # Resolved once, here, so that the manifest records the chunk length actually written. With
-        # layer_arrays, a chunk holds one layer: sized by one layer's bytes per token.
+        # layer_arrays too, chunks are sized by the whole feature's bytes per token (a layer's chunk
+        # is 1/K of that): the same chunk_tokens as one array of every layer, and no more tokens than
+        # a store holding fewer layers would use, so a subset read wastes no more on edge chunks.
         if self.chunk_tokens is None:
-            row_bytes = self.value_bytes_per_token // (self.shape[0] if self.layer_arrays else 1)
+            row_bytes = self.value_bytes_per_token
             if self.chunk_bytes is not None:
                 tokens = max(1, self.chunk_bytes // row_bytes)
             else:

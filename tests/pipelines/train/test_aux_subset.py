@@ -16,8 +16,8 @@ import pytest
 import hsstore
 from hsstore.errors import AuxLayerError
 from pipelines.train import run_training
+from tests.factories import REFERENCE_TARGET
 
-from .conftest import REFERENCE_TARGET
 from .test_trainer import small_recipe
 
 pytestmark = pytest.mark.slow
