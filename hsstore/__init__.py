@@ -28,8 +28,9 @@ from hsstore.loader import LoaderState, StreamingLoader
 from hsstore.location import StoreLocation
 from hsstore.manifest import FORMAT_VERSION, FileEntry, ShardRecord, StoreManifest, parse_manifest
 from hsstore.store import Store, open_store
+from hsstore.store_writer import StoreWriter
 from hsstore.verify import Problem, verify_store
-from hsstore.writer import ShardWriter, StoreWriter
+from hsstore.writer import ShardWriter
 
 __version__ = "0.1.0"
 

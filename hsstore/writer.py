@@ -3,8 +3,8 @@
 A :class:`ShardWriter` owns one store shard: it streams encoded samples into each feature array's
 Zarr shard files chunk by chunk (:mod:`hsstore.format.array_writer`; a few chunks of memory per array, whatever the shard
 size), writes the arrays' ``zarr.json`` and the Arrow sample table last, and returns a
-:class:`ShardRecord` with every file's size and sha256. Nothing it writes is visible until :func:`commit_shards`
-adds the record to the manifest.
+:class:`ShardRecord` with every file's size and sha256. Nothing it writes is visible until :func:`hsstore.commit.commit_shards`
+adds the record to the manifest (:class:`hsstore.store_writer.StoreWriter` does both for a single process).
 
 Each attempt at a shard writes into its own folder ``shards/<shard_id>.<attempt>``: Ray may run a
 unit twice (retries, restarted actors) and two attempts must never interleave files. The shard id is
@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from hsstore.commit import commit_shards, ensure_store
 from hsstore.errors import StoreWriteError
 from hsstore.format import codecs
 from hsstore.format.array_writer import ArrayWriter, WrittenFile
@@ -41,7 +40,6 @@ from hsstore.format.layout import (
     samples_path,
     shard_folder,
 )
-from hsstore.lineage import Lineage
 from hsstore.location import StoreLocation, as_location
 from hsstore.manifest import (
     FileEntry,
@@ -355,66 +353,3 @@ def _list_array(values: list[np.ndarray], value_type: pa.DataType, dtype: Any) -
         np.cumsum([len(v) for v in values], out=offsets[1:])
     flat = np.concatenate(values).astype(dtype, copy=False) if values else np.zeros(0, dtype)
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(flat, value_type))
-
-
-class StoreWriter:
-    """Single-process convenience: rolls shards at ``shard_max_tokens`` and commits each one.
-
-    Committing per shard bounds what a crash can lose to the shard in progress.
-    """
-
-    def __init__(
-        self,
-        url: str | os.PathLike[str],
-        features: Sequence[FeatureSpec],
-        lineage: Lineage,
-        *,
-        shard_max_tokens: int = 1 << 20,
-        shard_prefix: str = "s",
-        storage_options: dict[str, Any] | None = None,
-    ):
-        self.location = as_location(url, storage_options)
-        self.features = list(features)
-        self.lineage = lineage
-        self.shard_max_tokens = shard_max_tokens
-        self.shard_prefix = shard_prefix
-        manifest = ensure_store(self.location, features=self.features, lineage=lineage)
-        self._next_index = len(
-            [s for s in manifest.shards if s.shard_id.startswith(f"{shard_prefix}-")]
-        )
-        self._shard: ShardWriter | None = None
-        self.records: list[ShardRecord] = []
-
-    def __enter__(self) -> StoreWriter:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.close()
-        elif self._shard is not None:
-            self._shard.abort()
-            self._shard = None
-
-    def add_sample(self, **sample: Any) -> None:
-        if self._shard is None:
-            shard_id = f"{self.shard_prefix}-{self._next_index:06d}"
-            self._next_index += 1
-            self._shard = ShardWriter(self.location, shard_id, self.features)
-        self._shard.add_sample(**sample)
-        if self._shard.num_tokens >= self.shard_max_tokens:
-            self._commit_current()
-
-    def _commit_current(self) -> None:
-        if self._shard is None:
-            return
-        record = self._shard.finish()
-        self._shard = None
-        commit_shards(self.location, [record], features=self.features, lineage=self.lineage)
-        self.records.append(record)
-
-    def close(self) -> None:
-        """Commit the shard in progress (if it holds samples)."""
-        if self._shard is not None and self._shard.num_samples == 0:
-            self._shard.abort()
-            self._shard = None
-        self._commit_current()

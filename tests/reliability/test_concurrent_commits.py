@@ -87,7 +87,7 @@ def test_racing_committers_in_threads_on_memory_lose_nothing(memory_url):
 
 def test_racing_committers_in_threads_on_s3_lose_nothing(s3_store, caplog):
     url, options = s3_store
-    caplog.set_level("INFO", logger="hsstore.writer")
+    caplog.set_level("INFO", logger="hsstore.commit")  # where commit conflicts are logged
     race_in_threads(url, PLANS, options)
     assert_store_holds(url, set(range(12)), options)
     conflicts = sum("manifest commit conflict" in r.getMessage() for r in caplog.records)
