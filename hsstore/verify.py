@@ -22,7 +22,7 @@ from hsstore.manifest import ShardRecord, StoreManifest
 
 # Files a store may hold besides shards; never reported as garbage.
 KNOWN_TOP_LEVEL = {MANIFEST_NAME, LOCK_NAME}
-KNOWN_DIRS = ("rejects/",)
+KNOWN_DIRS = ("rejects/", "plan/")  # the extraction's rejects and plan journal
 
 
 @dataclass(frozen=True)

@@ -24,12 +24,16 @@ if TYPE_CHECKING:
 
 
 def run_extraction(
-    recipe: ExtractRecipe, *, progress: bool = False, on_commit: CommitHook | None = None
+    recipe: ExtractRecipe,
+    *,
+    progress: bool = False,
+    on_commit: CommitHook | None = None,
+    dry_run: bool = False,
 ) -> ExtractionSummary:
     """Run (or resume) the extraction ``recipe`` describes; see :mod:`pipelines.extract.driver`."""
     from pipelines.extract.driver import run_extraction as _run
 
-    return _run(recipe, progress=progress, on_commit=on_commit)
+    return _run(recipe, progress=progress, on_commit=on_commit, dry_run=dry_run)
 
 
 __all__ = ["ExtractRecipe", "ExtractionSummary", "run_extraction"]

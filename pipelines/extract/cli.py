@@ -22,6 +22,12 @@ def register(subparsers: Any) -> None:
     add_recipe_arguments(parser, "recipes/reference/extract.yaml", "--set limit=100 --set executor=local")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="plan only: read and tokenize every record, cut the units, print records, samples, "
+        "tokens, rejects by reason and units; load no model, write nothing",
+    )
     parser.set_defaults(func=run)
 
 
@@ -31,7 +37,9 @@ def run(args: argparse.Namespace) -> int:
     from pipelines.recipe import load_recipe
 
     recipe = load_recipe(ExtractRecipe, args.recipe, args.overrides)
-    summary = run_extraction(recipe, progress=not args.no_progress and sys.stderr.isatty())
+    summary = run_extraction(
+        recipe, progress=not args.no_progress and sys.stderr.isatty(), dry_run=args.dry_run
+    )
     if args.json:
         print(json.dumps(summary.to_json(), indent=2))
     else:

@@ -16,37 +16,44 @@ Order of a run (each step is a function of the recipe and the data, so reruns ag
 
 from __future__ import annotations
 
-import dataclasses
+import itertools
 import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from hsstore import commit_shards, committed_shard_ids, ensure_store
 from hsstore.location import StoreLocation
 from pipelines.extract.errors import ExtractionError
 from pipelines.extract.plan import (
+    REJECTS_PATH,
     aux_layer_ids_for,
     build_features,
     build_lineage,
-    plan_units,
-    read_samples,
     reconcile_lineage,
     resolve_target,
     write_rejects,
 )
+from pipelines.extract.planner import PlanJournal, StreamPlanner, WindowPlan, data_fingerprint
 from pipelines.extract.recipe import ExtractRecipe
-from pipelines.extract.records import Record, Rejection, RejectReason
+from pipelines.extract.records import Rejection, RejectReason
 from pipelines.extract.summary import ExtractionSummary
-from pipelines.extract.tokenize import SampleTokenizer, TokenizedSample
-from pipelines.extract.worker import RejectedSample, UnitResult, WorkerSpec, WorkUnit
+from pipelines.extract.tokenize import SampleTokenizer
+from pipelines.extract.tokenizer_pool import load_tokenizer, make_sample_tokenizer
+
+__all__ = ["load_tokenizer", "make_sample_tokenizer", "run_extraction"]  # the tokenizer: re-exported
+from pipelines.extract.worker import (
+    RejectedSample,
+    UnitResult,
+    WorkerSpec,
+    WorkUnit,
+    unit_shard_id,
+)
 from pipelines.target_identity import (
-    chat_template_sha256,
     read_config,
     text_config,
-    tokenizer_sha256,
 )
 
 logger = logging.getLogger(__name__)
@@ -57,99 +64,69 @@ CommitHook = Callable[[UnitResult, Any], None]
 UNIT_REJECTS_DIR = "rejects/units"
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-
-
-def make_sample_tokenizer(recipe: ExtractRecipe, tokenizer_dir: str) -> SampleTokenizer:
-    """The recipe's tokenization, with the tokenizer and template hashes folded into sample ids."""
-    tokenizer = load_tokenizer(tokenizer_dir, recipe.model.trust_remote_code)
-    return SampleTokenizer(
-        tokenizer,
-        max_length=recipe.batching.max_length,
-        too_long=recipe.batching.too_long,
-        loss_mask=recipe.tokenizer.loss_mask,
-        chat_template_kwargs=recipe.tokenizer.chat_template_kwargs,
-        identity={
-            "tokenizer_sha256": tokenizer_sha256(tokenizer_dir),
-            "chat_template_sha256": chat_template_sha256(getattr(tokenizer, "chat_template", None)),
-        },
-    )
-
-
 def run_extraction(
-    recipe: ExtractRecipe, *, progress: bool = False, on_commit: CommitHook | None = None
+    recipe: ExtractRecipe,
+    *,
+    progress: bool = False,
+    on_commit: CommitHook | None = None,
+    dry_run: bool = False,
 ) -> ExtractionSummary:
     """Run (or resume) the extraction the recipe describes and return its summary.
 
     ``progress`` shows a tqdm bar (samples, tokens, tokens/s). ``on_commit(result, executor)`` is
-    called after each unit's commit (tests use it to inject faults).
+    called after each unit's commit (tests use it to inject faults). ``dry_run`` plans only: reads
+    and tokenizes every record, cuts the units, counts, and touches neither the store nor the model.
     """
     wall_start = time.perf_counter()
-    location = StoreLocation(recipe.store, recipe.storage_options)
     target_dir = resolve_target(recipe.target, recipe.model.revision)
     tokenizer_dir = recipe.tokenizer.path or target_dir
     sample_tokenizer = make_sample_tokenizer(recipe, tokenizer_dir)
-    origins = _OriginRecorder(sample_tokenizer)
-    plan = read_samples(recipe, cast(SampleTokenizer, origins))
-    rejects_path = write_rejects(location, plan.rejections)
-    summary = ExtractionSummary(
-        store=recipe.store,
-        rejects_path=rejects_path,
-        num_records=plan.num_records,
-        num_samples=len(plan.samples),
-        num_tokens=plan.num_tokens,
-        num_loss_tokens=sum(int(s.loss_mask.sum()) for s in plan.samples),
-        rejected=plan.rejected_by_reason,
-        num_truncated=plan.num_truncated,
-    )
-    for rejection in plan.rejections[:5]:
-        logger.warning("rejected (%s) %s", rejection.reason, rejection.message)
-    if len(plan.rejections) > 5:
-        logger.warning("... %d more rejections in %s", len(plan.rejections) - 5, rejects_path)
-    if not plan.samples:
-        logger.warning(
-            "no sample was accepted from %d records; nothing to extract", plan.num_records
-        )
-        summary.wall_seconds = time.perf_counter() - wall_start
-        return summary
-
+    summary = ExtractionSummary(store=recipe.store, rejects_path="", dry_run=dry_run)
     config = text_config(read_config(target_dir))
     aux_layer_ids = aux_layer_ids_for(recipe, int(config["num_hidden_layers"]))
     features = build_features(recipe, len(aux_layer_ids), int(config["hidden_size"]))
     summary.feature_bytes_per_token = sum(f.raw_bytes_per_token for f in features)
+    if dry_run:
+        _plan_only(recipe, sample_tokenizer, tokenizer_dir, summary)
+        summary.wall_seconds = time.perf_counter() - wall_start
+        return summary
+
+    location = StoreLocation(recipe.store, recipe.storage_options)
+    summary.rejects_path = location.path(REJECTS_PATH)
     lineage = build_lineage(
-        recipe, target_dir, tokenizer_dir, sample_tokenizer, aux_layer_ids, plan.fingerprint()
+        recipe, target_dir, tokenizer_dir, sample_tokenizer, aux_layer_ids, data_fingerprint(recipe)
     )
     lineage = reconcile_lineage(location, lineage)
     ensure_store(location, features=features, lineage=lineage)
-
-    units = [
-        # The worker names a record it rejects by its origin (file:line).
-        dataclasses.replace(u, origins=tuple(origins.origin_of[r.sample_id] for r in u.rows))
-        for u in plan_units(
-            plan.samples,
-            recipe.units.max_tokens,
-            recipe.units.max_samples,
-            recipe.units.sort_window_tokens,
-        )
-    ]
     done = committed_shard_ids(location)
+    planner = StreamPlanner(
+        recipe, sample_tokenizer, tokenizer_dir, journal=PlanJournal(location), committed=done
+    )
     part = recipe.partition
-    mine = [u for u in units if u.index % part.world_size == part.rank]
-    todo = [u for u in mine if u.shard_id not in done]
-    unit_rejects = UnitRejects(location)
-    unit_rejects.load([u for u in units if u.shard_id in done])
-    summary.num_units = len(units)
-    summary.num_units_skipped = len(mine) - len(todo)
-    if summary.num_units_skipped:
-        logger.info(
-            "resuming: %d of %d units already committed", summary.num_units_skipped, len(units)
-        )
+    planning_rejections: list[Rejection] = []
+    all_units: list[int] = []  # indices: every unit of the plan (ints, not the units)
 
-    if todo:
+    def todo_units() -> Iterator[WorkUnit]:
+        """The units this run extracts, planned window by window as the executor asks for them."""
+        for window in planner.windows():
+            _count_window(summary, window)
+            planning_rejections.extend(window.rejections)
+            for rejection in window.rejections:
+                if len(planning_rejections) <= 5:
+                    logger.warning("rejected (%s) %s", rejection.reason, rejection.message)
+            units = range(window.first_unit, window.first_unit + window.num_units)
+            all_units.extend(units)
+            mine = [i for i in units if i % part.world_size == part.rank]
+            skipped = [i for i in mine if unit_shard_id(i) in done]
+            summary.num_units_skipped += len(skipped)
+            if window.from_journal:
+                continue  # every unit committed: nothing to run, nothing was tokenized
+            yield from (u for u in window.units if u.index in mine and u.shard_id not in done)
+
+    unit_rejects = UnitRejects(location)
+    todo = todo_units()
+    first = next(todo, None)  # plans up to the first unit to run (all of it on a full resume)
+    if first is not None:
         pad_token_id = sample_tokenizer.tokenizer.pad_token_id
         if pad_token_id is None:
             pad_token_id = sample_tokenizer.tokenizer.eos_token_id or 0
@@ -175,7 +152,7 @@ def run_extraction(
         _run_units(
             recipe,
             spec,
-            todo,
+            itertools.chain([first], todo),
             features,
             lineage,
             location,
@@ -184,20 +161,28 @@ def run_extraction(
             on_commit,
             unit_rejects,
         )
+    if summary.num_units_skipped:
+        logger.info(
+            "resumed: %d of %d units were already committed", summary.num_units_skipped, summary.num_units
+        )
+    if not summary.num_samples:
+        logger.warning("no sample was accepted from %d records; nothing to extract", summary.num_records)
+    if len(planning_rejections) > 5:
+        logger.warning("... %d more rejections in %s", len(planning_rejections) - 5, summary.rejects_path)
+
     from hsstore.commit import read_manifest
     from hsstore.gc import collect_garbage
 
     # Other ranks (partition.world_size > 1) may still be writing: their attempt folders and
     # manifest temp files are not garbage until every unit is committed.
-    pending_elsewhere = [u for u in units if u.shard_id not in committed_shard_ids(location)]
+    committed = committed_shard_ids(location)
+    pending_elsewhere = [i for i in all_units if unit_shard_id(i) not in committed]
     summary.num_units_elsewhere = len(pending_elsewhere)
-    if part.world_size > 1 and not pending_elsewhere:
-        # The last rank to finish: every rank's worker rejections are on disk now.
-        unit_rejects = UnitRejects(location)
-        unit_rejects.load(units)
-    _count_worker_rejections(summary, units, unit_rejects)
-    if unit_rejects.by_unit:
-        write_rejects(location, plan.rejections + unit_rejects.rejections())
+    # Every unit's worker rejections (this run's, earlier runs', other ranks'), from disk.
+    unit_rejects = UnitRejects(location)
+    unit_rejects.load([i for i in all_units if unit_shard_id(i) in committed])
+    _count_worker_rejections(summary, unit_rejects)
+    write_rejects(location, planning_rejections + unit_rejects.rejections())
 
     if pending_elsewhere:
         logger.info(
@@ -220,10 +205,42 @@ def run_extraction(
     return summary
 
 
+def _count_window(summary: ExtractionSummary, window: WindowPlan) -> None:
+    summary.num_records += window.num_records
+    summary.num_samples += window.num_samples
+    summary.num_tokens += window.num_tokens
+    summary.num_loss_tokens += window.num_loss_tokens
+    summary.num_truncated += window.num_truncated
+    summary.num_units += window.num_units
+    reasons: Counter[str] = Counter(summary.rejected)
+    reasons.update(str(r.reason) for r in window.rejections)
+    summary.rejected = dict(sorted(reasons.items()))
+
+
+def _plan_only(
+    recipe: ExtractRecipe, tokenizer: SampleTokenizer, tokenizer_dir: str, summary: ExtractionSummary
+) -> None:
+    """--dry-run: every window planned and counted (padding too), nothing kept, nothing written."""
+    from pipelines.extract.batching import plan_batches
+
+    planner = StreamPlanner(recipe, tokenizer, tokenizer_dir)
+    for window in planner.windows():
+        _count_window(summary, window)
+        for unit in window.units:
+            for batch in plan_batches(
+                [len(r.input_ids) for r in unit.rows],
+                recipe.batching.token_budget,
+                max_batch_size=recipe.batching.max_batch_size,
+                pad_to_multiple_of=recipe.batching.pad_to_multiple_of,
+            ):
+                summary.num_padded_tokens += batch.num_padded_tokens
+        summary.num_tokens_written += window.num_tokens  # planned: what padding_waste compares
+
+
 def _run_units(
     recipe: ExtractRecipe,
     spec: WorkerSpec,
-    todo: list[Any],
+    todo: Iterator[WorkUnit],
     features: list[Any],
     lineage: Any,
     location: StoreLocation,
@@ -243,9 +260,8 @@ def _run_units(
 
         executor = LocalExecutor(spec)
     summary.num_workers = len(getattr(executor, "actors", ())) or 1
-    total_tokens = sum(u.num_tokens for u in todo)
     bar = tqdm(
-        total=total_tokens,
+        total=None,  # planned in a stream: the total is known only at the end
         unit="tok",
         unit_scale=True,
         disable=not progress,
@@ -254,7 +270,12 @@ def _run_units(
     )
     start = time.perf_counter()
     units_done = summary.num_units_skipped
-    todo_by_index = {unit.index: unit for unit in todo}
+    todo_by_index: dict[int, WorkUnit] = {}  # handed out, not yet committed
+
+    def handed_out() -> Iterator[WorkUnit]:
+        for unit in todo:
+            todo_by_index[unit.index] = unit
+            yield unit
 
     # Tokens the bar has shown but no committed unit holds yet (per-batch progress, in process).
     shown_uncommitted = 0
@@ -267,7 +288,7 @@ def _run_units(
     def on_result(result: UnitResult) -> None:
         nonlocal units_done, shown_uncommitted
         # Saved before the commit: a committed unit always has its rejections on disk.
-        unit_rejects.save(result, todo_by_index[result.unit_index])
+        unit_rejects.save(result, todo_by_index.pop(result.unit_index))
         commit_shards(location, [result.record], features=features, lineage=lineage)
         units_done += 1
         summary.num_samples_written += result.num_samples
@@ -280,13 +301,13 @@ def _run_units(
         bar.update(result.num_tokens - already_shown)
         bar.set_postfix(
             samples=summary.num_samples_written,
-            units=f"{units_done}/{summary.num_units}",
+            units=f"{units_done}/{summary.num_units}+",
         )
         if on_commit is not None:
             on_commit(result, executor)
 
     try:
-        executor.run(todo, on_result, on_batch)
+        executor.run(handed_out(), on_result, on_batch)
     finally:
         summary.extract_seconds = time.perf_counter() - start
         bar.close()
@@ -315,22 +336,6 @@ def remove_dead_temp_files(location: StoreLocation) -> list[str]:
     return removed
 
 
-class _OriginRecorder:
-    """Wraps the sample tokenizer to remember each accepted sample's record origin (``file:line``),
-    which the worker needs to name a record it rejects; samples themselves do not carry it. The
-    first origin of a sample id is kept, as the planner keeps the first of duplicates."""
-
-    def __init__(self, tokenizer: SampleTokenizer):
-        self.tokenizer = tokenizer
-        self.origin_of: dict[str, str] = {}
-
-    def __call__(self, record: Record) -> TokenizedSample | Rejection:
-        result = self.tokenizer(record)
-        if isinstance(result, TokenizedSample):
-            self.origin_of.setdefault(result.sample_id, record.origin)
-        return result
-
-
 class UnitRejects:
     """The worker's rejections per unit, kept in ``rejects/units/<shard id>.jsonl``.
 
@@ -353,21 +358,22 @@ class UnitRejects:
     def path(shard_id: str) -> str:
         return f"{UNIT_REJECTS_DIR}/{shard_id}.jsonl"
 
-    def load(self, committed: Sequence[WorkUnit]) -> None:
-        """Read the rejections of units committed by earlier runs (those runs skip them)."""
-        for unit in committed:
-            if unit.shard_id in self._on_disk:
-                self.by_unit[unit.index] = self._read(unit)
+    def load(self, unit_indices: Iterable[int]) -> None:
+        """Read the rejections of committed units (earlier runs', other ranks')."""
+        for index in unit_indices:
+            if unit_shard_id(index) in self._on_disk:
+                self.by_unit[index] = self._read(index)
 
-    def _read(self, unit: WorkUnit) -> tuple[RejectedSample, ...]:
-        path = self.path(unit.shard_id)
+    def _read(self, index: int) -> tuple[RejectedSample, ...]:
+        shard_id = unit_shard_id(index)
+        path = self.path(shard_id)
         rejected = []
         for line_no, line in enumerate(
             self.location.read_bytes(path).decode("utf-8").splitlines(), 1
         ):
             try:
                 entry = json.loads(line)
-                position, sample_id, r = entry["position"], entry["sample_id"], entry["rejection"]
+                r = entry["rejection"]
                 rejection = Rejection(
                     RejectReason(r["reason"]),
                     r["message"],
@@ -375,18 +381,20 @@ class UnitRejects:
                     r["source_id"],
                     r["excerpt"],
                 )
+                sample = RejectedSample(
+                    int(entry["position"]),
+                    str(entry["sample_id"]),
+                    rejection,
+                    int(entry["num_tokens"]),
+                    int(entry["num_loss_tokens"]),
+                )
             except (ValueError, KeyError, TypeError) as err:
                 raise ExtractionError(
                     f"{self.location.path(path)}:{line_no}: not a rejection this extraction wrote "
-                    f"({type(err).__name__}: {err}); remove the file and the shard {unit.shard_id} "
+                    f"({type(err).__name__}: {err}); remove the file and the shard {shard_id} "
                     "from the store to redo the unit"
                 ) from err
-            if not (0 <= position < len(unit.rows) and unit.rows[position].sample_id == sample_id):
-                raise ExtractionError(
-                    f"{self.location.path(path)}:{line_no}: sample {sample_id} is not at position "
-                    f"{position} of unit {unit.index}; the file does not belong to this extraction"
-                )
-            rejected.append(RejectedSample(position, sample_id, rejection))
+            rejected.append(sample)
         return tuple(rejected)
 
     def save(self, result: UnitResult, unit: WorkUnit) -> None:
@@ -398,6 +406,8 @@ class UnitRejects:
                     {
                         "position": r.position,
                         "sample_id": r.sample_id,
+                        "num_tokens": r.num_tokens,
+                        "num_loss_tokens": r.num_loss_tokens,
                         "rejection": r.rejection.to_json(),
                     },
                     ensure_ascii=False,
@@ -423,19 +433,15 @@ class UnitRejects:
         return [r.rejection for index in sorted(self.by_unit) for r in self.by_unit[index]]
 
 
-def _count_worker_rejections(
-    summary: ExtractionSummary, units: Sequence[WorkUnit], unit_rejects: UnitRejects
-) -> None:
+def _count_worker_rejections(summary: ExtractionSummary, unit_rejects: UnitRejects) -> None:
     """Move the samples the worker rejected from the accepted counts to the rejected ones."""
     if not unit_rejects.by_unit:
         return
-    by_index = {unit.index: unit for unit in units}
     reasons: Counter[str] = Counter(summary.rejected)
-    for index, rejected in unit_rejects.by_unit.items():
+    for rejected in unit_rejects.by_unit.values():
         for r in rejected:
-            row = by_index[index].rows[r.position]
             summary.num_samples -= 1
-            summary.num_tokens -= len(row.input_ids)
-            summary.num_loss_tokens -= int(row.loss_mask.sum())
+            summary.num_tokens -= r.num_tokens
+            summary.num_loss_tokens -= r.num_loss_tokens
             reasons[str(r.rejection.reason)] += 1
     summary.rejected = dict(sorted(reasons.items()))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from hsstore.errors import HsstoreError
@@ -40,7 +40,7 @@ class LocalExecutor:
 
     def run(
         self,
-        units: Sequence[WorkUnit],
+        units: Iterable[WorkUnit],
         on_result: ResultCallback,
         on_batch: Callable[[int, int], None] | None = None,
     ) -> None:
@@ -137,7 +137,7 @@ class RayExecutor:
 
     def run(
         self,
-        units: Sequence[WorkUnit],
+        units: Iterable[WorkUnit],
         on_result: ResultCallback,
         on_batch: Callable[[int, int], None] | None = None,
     ) -> None:
@@ -146,12 +146,12 @@ class RayExecutor:
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
-        pending = deque(units)
+        pending = iter(units)  # pulled as actors free up: the driver plans in a stream
         in_flight: dict[Any, tuple[Any, WorkUnit]] = {}
 
         def submit(actor: Any) -> None:
-            if pending:
-                unit = pending.popleft()
+            unit = next(pending, None)
+            if unit is not None:
                 in_flight[actor.run_unit.remote(unit)] = (actor, unit)
 
         for _ in range(self.settings.units_in_flight_per_worker):

@@ -174,6 +174,17 @@ class UnitsSection(RecipeModel):
     )
 
 
+class PlanningSection(RecipeModel):
+    """How records are read and tokenized: in a stream, in parallel (pipelines/extract/planner.py)."""
+
+    num_workers: int | None = Field(
+        None, ge=1, description="tokenizing processes; default: every core this process may use"
+    )
+    block_records: int = Field(
+        256, ge=1, description="records per tokenization task (the first block runs in process)"
+    )
+
+
 class PartitionSection(RecipeModel):
     """Share-nothing extraction: several processes (nodes) fill one store, each its own units.
 
@@ -235,6 +246,7 @@ class ExtractRecipe(RecipeModel):
     units: UnitsSection = Field(default_factory=UnitsSection)
     ray: RaySection = Field(default_factory=RaySection)
     partition: PartitionSection = Field(default_factory=PartitionSection)
+    planning: PlanningSection = Field(default_factory=PlanningSection)
 
     @field_validator("data", mode="before")
     @classmethod

@@ -18,6 +18,7 @@ class ExtractionSummary:
 
     store: str
     rejects_path: str
+    dry_run: bool = False  # planned only: nothing was extracted or written
     num_records: int = 0
     num_samples: int = 0
     num_tokens: int = 0
@@ -82,6 +83,20 @@ class ExtractionSummary:
         rejected = (
             ", ".join(f"{reason} {count}" for reason, count in self.rejected.items()) or "none"
         )
+        if self.dry_run:
+            return "\n".join([
+                f"dry run          planned only; nothing extracted, nothing written to {self.store}",
+                f"records read     {self.num_records}",
+                f"samples          {self.num_samples}",
+                f"tokens           {self.num_tokens} ({self.num_loss_tokens} with loss)",
+                f"rejected         {self.num_rejected}: {rejected}",
+                f"truncated        {self.num_truncated}",
+                f"units            {self.num_units}",
+                f"padding (plan)   {100 * self.padding_waste:.2f}% of computed tokens",
+                f"features         {self.feature_bytes_per_token:,} bytes/token raw, "
+                f"{self.feature_bytes_per_token * self.num_tokens / 1e9:,.1f} GB for these tokens",
+                f"wall time        {self.wall_seconds:.1f} s",
+            ])
         lines = [
             f"store            {self.store}",
             f"records read     {self.num_records}",

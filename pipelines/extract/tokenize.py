@@ -56,6 +56,8 @@ class TokenizedSample:
     input_ids: np.ndarray  # int32 [T]
     loss_mask: np.ndarray  # uint8 [T]
     truncated: bool
+    origin: str = ""  # the record's "<file>:<line>", for messages
+    excerpt: str = ""  # the record's first characters, for a duplicate's rejection
 
     @property
     def num_tokens(self) -> int:
@@ -112,10 +114,12 @@ class SampleTokenizer:
     def __call__(self, record: Record) -> TokenizedSample | Rejection:
         """Tokenize one record, or reject it (template error, too long, nothing to learn)."""
 
+        def excerpt() -> str:
+            return (record.text or json.dumps(record.content(), ensure_ascii=False))[:200]
+
         def reject(reason: RejectReason, problem: str) -> Rejection:
-            excerpt = (record.text or json.dumps(record.content(), ensure_ascii=False))[:200]
             return Rejection(
-                reason, f"{record.origin}: {problem}", record.origin, record.source_id, excerpt
+                reason, f"{record.origin}: {problem}", record.origin, record.source_id, excerpt()
             )
 
         if record.text is not None:
@@ -153,6 +157,8 @@ class SampleTokenizer:
             input_ids=np.asarray(ids, dtype=np.int32),
             loss_mask=np.asarray(mask, dtype=np.uint8),
             truncated=truncated,
+            origin=record.origin,
+            excerpt=excerpt(),
         )
 
     def render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = False) -> str:

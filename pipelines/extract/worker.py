@@ -79,6 +79,8 @@ class RejectedSample:
     position: int  # index into the unit's rows
     sample_id: str
     rejection: Rejection
+    num_tokens: int = 0  # the sample's, so that counts can be corrected without the unit
+    num_loss_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -424,7 +426,9 @@ def _rejected_sample(unit: WorkUnit, position: int, error: str) -> RejectedSampl
     )
     origin = unit.origins[position] if unit.origins else row.source_id
     rejection = Rejection(RejectReason.WORKER_ERROR, message, origin, row.source_id, "")
-    return RejectedSample(position, row.sample_id, rejection)
+    return RejectedSample(
+        position, row.sample_id, rejection, len(row.input_ids), int(np.asarray(row.loss_mask).sum())
+    )
 
 
 def _describe(err: BaseException) -> str:

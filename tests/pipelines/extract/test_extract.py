@@ -126,8 +126,13 @@ def test_rejects_file_summary_and_resume(tiny_qwen3: Path, tmp_path: Path) -> No
     assert hsstore.open_store(str(store)).verify() == []
 
     other = make_recipe(tiny_qwen3, [data], store, batching={"max_length": 65, "token_budget": 130, "too_long": "drop"})
-    with pytest.raises(LineageMismatchError, match=r"lineage field 'data_fingerprint' is .* \(\d+ field\(s\) differ\)\. A rerun resumes only the same recipe"):
+    with pytest.raises(LineageMismatchError, match=r"lineage field '[\w.]*max_length' is 64 in the store and 65 .* \(\d+ field\(s\) differ\)\. A rerun resumes only the same recipe"):
         run_extraction(other)
+    # Other data (one more record): the data fingerprint (the files' bytes) differs.
+    more = tmp_path / "more.jsonl"
+    more.write_bytes(data.read_bytes() + b'{"text": "one more record"}\n')
+    with pytest.raises(LineageMismatchError, match=r"lineage field 'data_fingerprint' is .* A rerun resumes only the same recipe"):
+        run_extraction(make_recipe(tiny_qwen3, [more], store, batching={"max_length": 64, "token_budget": 128, "too_long": "drop"}))
 
 
 def test_topk_distribution(tiny_llama: Path, mixed_data: Path, tmp_path: Path) -> None:

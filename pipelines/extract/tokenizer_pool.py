@@ -1,0 +1,116 @@
+"""Tokenizing records in a pool of processes, in order, for the streaming planner.
+
+The pool's processes come from a fork server that has imported transformers (and with it torch)
+once: each worker shares those pages with it instead of paying ~250 MB of its own, so memory grows
+by little more than a tokenizer per core. The server is a fresh process, not a fork of the driver,
+so it inherits neither Ray's threads nor the driver's tokenizer state. This module stays light for
+the workers: no model code, no store code.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import Any
+
+from pipelines.extract.recipe import ExtractRecipe
+from pipelines.extract.records import Rejection
+from pipelines.extract.tokenize import SampleTokenizer
+from pipelines.target_identity import chat_template_sha256, tokenizer_sha256
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def make_sample_tokenizer(recipe: ExtractRecipe, tokenizer_dir: str) -> SampleTokenizer:
+    """The recipe's tokenization, with the tokenizer and template hashes folded into sample ids."""
+    tokenizer = load_tokenizer(tokenizer_dir, recipe.model.trust_remote_code)
+    return SampleTokenizer(
+        tokenizer,
+        max_length=recipe.batching.max_length,
+        too_long=recipe.batching.too_long,
+        loss_mask=recipe.tokenizer.loss_mask,
+        chat_template_kwargs=recipe.tokenizer.chat_template_kwargs,
+        identity={
+            "tokenizer_sha256": tokenizer_sha256(tokenizer_dir),
+            "chat_template_sha256": chat_template_sha256(getattr(tokenizer, "chat_template", None)),
+        },
+    )
+
+
+_WORKER_TOKENIZER: SampleTokenizer | None = None
+
+
+def _init_worker(recipe_json: str, tokenizer_dir: str) -> None:
+    global _WORKER_TOKENIZER
+    _WORKER_TOKENIZER = make_sample_tokenizer(ExtractRecipe.model_validate_json(recipe_json), tokenizer_dir)
+
+
+def _tokenize_in_worker(block: list[Any]) -> list[Any]:
+    assert _WORKER_TOKENIZER is not None
+    return tokenize_block(_WORKER_TOKENIZER, block)
+
+
+def tokenize_block(tokenizer: SampleTokenizer, block: list[Any]) -> list[Any]:
+    """Each record tokenized (a TokenizedSample or a Rejection); rejections pass through."""
+    return [item if isinstance(item, Rejection) else tokenizer(item) for item in block]
+
+
+class BlockTokenizer:
+    """Tokenizes blocks of records in order: the first block in this process (small inputs never
+    start a pool), later ones in ``num_workers`` processes, at most two blocks per process ahead."""
+
+    def __init__(self, tokenizer: SampleTokenizer, recipe: ExtractRecipe, tokenizer_dir: str, num_workers: int):
+        self.tokenizer = tokenizer
+        self.recipe = recipe
+        self.tokenizer_dir = tokenizer_dir
+        self.num_workers = num_workers
+        self._pool: ProcessPoolExecutor | None = None
+
+    def map(self, items: Iterable[Any]) -> Iterator[Any]:
+        """``items``: blocks (lists of records) and markers; yields each block's results (a list)
+        and passes markers through, in order."""
+        ahead: deque[Any] = deque()
+        first = True
+        for item in items:
+            if not isinstance(item, list):
+                ahead.append(item)
+            elif first or self.num_workers <= 1:
+                first = False
+                ahead.append(tokenize_block(self.tokenizer, item))
+            else:
+                ahead.append(self._ensure_pool().submit(_tokenize_in_worker, item))
+            while ahead and (len(ahead) > 2 * self.num_workers or not _pending(ahead[0])):
+                yield _result(ahead.popleft())
+        while ahead:
+            yield _result(ahead.popleft())
+
+    def _ensure_pool(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload(["pipelines.extract.tokenizer_pool", "transformers.models.auto.tokenization_auto"])
+            self._pool = ProcessPoolExecutor(
+                self.num_workers,
+                mp_context=context,
+                initializer=_init_worker,
+                initargs=(self.recipe.model_dump_json(), self.tokenizer_dir),
+            )
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+
+def _pending(item: Any) -> bool:
+    return isinstance(item, Future) and not item.done()
+
+
+def _result(item: Any) -> Any:
+    return item.result() if isinstance(item, Future) else item
