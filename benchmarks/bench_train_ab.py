@@ -28,7 +28,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_train import REFERENCE_TARGET, TRAIN_DATA, extract_reference, held_out_accuracy  # noqa: E402
+from benchmarks.bench_train import (  # noqa: E402
+    REFERENCE_TARGET,
+    TRAIN_DATA,
+    extract_reference,
+    held_out_accuracy,
+)
 
 TRAIN = """
 import json, sys

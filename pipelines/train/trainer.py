@@ -358,6 +358,7 @@ def _run(recipe: TrainRecipe, dist_state: Distributed, device: torch.device, sto
                                        batch.num_padding_tokens, timer.last_wait)
                 totals["skipped"] += batch.num_skipped_samples
                 loader_state = loader.state_after(host)
+                host.release()  # the loader may refill its buffers (a GPU copy released them already)
             grad_norm = (
                 torch.nn.utils.clip_grad_norm_(params, recipe.optimizer.grad_clip)
                 if recipe.optimizer.grad_clip is not None
