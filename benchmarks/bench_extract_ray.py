@@ -6,17 +6,22 @@ starts from a clean device:
 
 1. ``prepare``: the Qwen3-8B shape with random bf16 weights (benchmarks/bench_extract.py's
    builder) saved as a model directory, with a word-level tokenizer (``t<id>`` is token ``id``, so
-   a record of N words is N tokens; checked) and text records of ``--min-length``..``--max-length`` tokens;
+   a record of N words is N tokens; checked) and text records of ``--min-length``..``--max-length``
+   tokens;
 2. a disk write test (``--disk-gib`` written and fsynced): the disk's GB/s;
-3. the split target: ``hsstore extract`` through Ray, one actor owning 2 GPUs
-   (``ray.num_gpus_per_worker=2``), over the first ``--split-records`` records;
-4. ``bare``: the model on one GPU, ``model.model(input_ids)`` with no mask over exactly the batches
+3. ``bare``: the model on one GPU, ``model.model(input_ids)`` with no mask over exactly the batches
    the extraction plans (the same planning code: length-sorted windows, the same token budget),
-   warmed up on two batches first; and, on the split run's first batches, the features the
-   extraction worker's capture computes on one GPU against what the split store holds;
-5. ``hsstore extract`` through Ray: bf16 with 1 then 2 actors (one GPU each), the split store
-   compared with the 1-GPU store sample by sample (``compare``), then fp8_e4m3 (aux and final) with
-   1 and 2 actors. Each store is deleted after its run (an 8B bf16 store is 32 KiB per token).
+   warmed up on two batches first;
+4. ``hsstore extract`` through Ray: bf16 and fp8_e4m3 (aux and final) with 1 actor, then with 2
+   (one GPU each); each store is deleted after its run (an 8B bf16 store is 32 KiB per token),
+   but the 1-GPU bf16 one, kept for step 6;
+5. the split target: one actor owning 2 GPUs (``ray.num_gpus_per_worker=2``) over the first
+   ``--split-records`` records;
+6. ``compare``: the split store against one GPU's features on the same batches (the extraction's
+   capture code, in process) and against the 1-GPU bf16 store.
+
+The JSON files are rewritten after every step, so a run cut short keeps what it measured; no step
+starts after ``--deadline-s``.
 
 Tokens/s are the real (unpadded) tokens over the extraction's own timer (the summary's
 ``extract_seconds``: from the first unit handed out to the last commit, actors already started and
@@ -138,6 +143,7 @@ def write_recipe(args: argparse.Namespace, name: str, *, codec: str, workers: in
         # Issue 13's settings; everything else (the attention mask, the sort windows) the defaults.
         "batching": {"max_length": args.max_length_cap, "token_budget": args.token_budget},
         "units": {"max_tokens": args.unit_tokens},
+        "planning": {"num_workers": args.planning_workers},
         "ray": {"num_workers": workers, "num_gpus_per_worker": gpus_per_worker, "num_cpus_per_worker": args.cpus_per_worker},
     }
     path = work / f"{name}.yaml"
@@ -198,12 +204,9 @@ def planned_units(args: argparse.Namespace, limit: int | None) -> tuple[list[Any
 
 
 def bare(args: argparse.Namespace) -> None:
-    import numpy as np
     import torch
 
-    import hsstore
     from pipelines.extract.batching import collate, padding_waste, plan_batches
-    from pipelines.extract.capture import HiddenStateCapture
     from pipelines.extract.worker import load_target
 
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
@@ -215,7 +218,8 @@ def bare(args: argparse.Namespace) -> None:
         input_ids, _ = collate([r.input_ids for r in unit.rows], batch, pad)
         model.model(input_ids=torch.from_numpy(input_ids).to(device, non_blocking=True), use_cache=False)
 
-    with torch.inference_mode():
+    @torch.inference_mode()
+    def timed() -> float:
         for unit, batch in batches[:2]:
             forward(unit, batch)
         if device.type == "cuda":
@@ -225,7 +229,14 @@ def bare(args: argparse.Namespace) -> None:
             forward(unit, batch)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        seconds = time.perf_counter() - start
+        return time.perf_counter() - start
+
+    # On a worker thread, as the extraction's forwards run: on a loaded CPU, torch's intra-op
+    # threads behave differently on the main thread (bench_extract.py); on a GPU it makes no odds.
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        seconds = pool.submit(timed).result()
     num_tokens = sum(b.num_tokens for _, b in batches)
     result: dict[str, Any] = {
         "bare_tokens_per_s": num_tokens / seconds,
@@ -234,32 +245,6 @@ def bare(args: argparse.Namespace) -> None:
         "num_batches": len(batches),
         "padding_fraction": padding_waste([b for _, b in batches]),
     }
-    split_store = Path(args.work) / "stores" / "split"
-    if (split_store / "manifest.json").exists():
-        # The split run's first unit, batch by batch as its worker ran it, on this one GPU.
-        split_units, _ = planned_units(args, args.split_records)
-        store = hsstore.open_store(str(split_store))
-        index_of = {sid: i for i, sid in enumerate(store.samples["sample_id"].to_pylist())}
-        unit = split_units[0]
-        worst, compared = 0.0, 0
-        with HiddenStateCapture(model, AUX_LAYER_IDS[args.shape], pass_attention_mask=False) as capture:
-            for batch in plan_batches([len(r.input_ids) for r in unit.rows], args.token_budget, pad_to_multiple_of=8):
-                if compared >= args.compare_samples:
-                    break
-                input_ids, mask = collate([r.input_ids for r in unit.rows], batch, pad)
-                valid = torch.from_numpy(np.flatnonzero(mask.reshape(-1))).to(device)
-                features = capture(torch.from_numpy(input_ids).to(device), torch.from_numpy(mask).to(device), valid)
-                offset = 0
-                for i in batch.indices:
-                    row = unit.rows[i]
-                    stored = store.read_sample(index_of[row.sample_id])
-                    span = slice(offset, offset + len(row.input_ids))
-                    for name in ("aux_hidden_states", "final_hidden_state"):
-                        worst = max(worst, relative_error(stored[name], features[name][span].cpu()))
-                    offset += len(row.input_ids)
-                    compared += 1
-        result["split_max_rel_err_same_batches"] = worst
-        result["split_samples_compared"] = compared
     log(f"bare: {result['bare_tokens_per_s']:,.0f} tok/s over {num_tokens:,} tokens, padding {100 * result['padding_fraction']:.2f}%")
     print(json.dumps(result))
 
@@ -273,99 +258,164 @@ def relative_error(actual: Any, expected: Any) -> float:
 
 
 def compare(args: argparse.Namespace) -> None:
-    """The split store against the 1-GPU store, sample by sample (the same sample ids; the two runs
-    batched them differently, so bf16 rounding differs a little as well)."""
-    import hsstore
+    """The split store against one GPU: (a) the same batches (the split run's first unit, batch by
+    batch as its worker ran it) through the extraction's capture code on one GPU; (b) the 1-GPU
+    bf16 store, sample by sample (the same sample ids, batched differently, so bf16 rounding
+    differs a little as well)."""
+    import numpy as np
+    import torch
 
+    import hsstore
+    from pipelines.extract.batching import collate, plan_batches
+    from pipelines.extract.capture import HiddenStateCapture
+    from pipelines.extract.worker import load_target
+
+    device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     stores = Path(args.work) / "stores"
-    split, one = hsstore.open_store(str(stores / "split")), hsstore.open_store(str(stores / "bf16-1"))
-    index_of = {sid: i for i, sid in enumerate(one.samples["sample_id"].to_pylist())}
+    split = hsstore.open_store(str(stores / "split"))
+    split_ids = split.samples["sample_id"].to_pylist()
+    index_of = {sid: i for i, sid in enumerate(split_ids)}
+    model = load_target(str(Path(args.work) / "target"), dtype="bfloat16", device=device)
+    units, pad = planned_units(args, args.split_records)
+    unit = units[0]
     worst, compared = 0.0, 0
-    for index, sample_id in enumerate(split.samples["sample_id"].to_pylist()[: args.compare_samples]):
-        a, b = split.read_sample(index), one.read_sample(index_of[sample_id])
-        for name in ("aux_hidden_states", "final_hidden_state"):
-            worst = max(worst, relative_error(a[name], b[name]))
-        compared += 1
-    log(f"split store vs 1-GPU store: max relative error {worst:.2e} over {compared} samples")
-    print(json.dumps({"split_max_rel_err_vs_store": worst, "split_store_samples_compared": compared}))
+    with HiddenStateCapture(model, AUX_LAYER_IDS[args.shape], pass_attention_mask=False) as capture:
+        for batch in plan_batches([len(r.input_ids) for r in unit.rows], args.token_budget, pad_to_multiple_of=8):
+            if compared >= args.compare_samples:
+                break
+            input_ids, mask = collate([r.input_ids for r in unit.rows], batch, pad)
+            valid = torch.from_numpy(np.flatnonzero(mask.reshape(-1))).to(device)
+            features = capture(torch.from_numpy(input_ids).to(device), torch.from_numpy(mask).to(device), valid)
+            offset = 0
+            for i in batch.indices:
+                row = unit.rows[i]
+                stored = split.read_sample(index_of[row.sample_id])
+                span = slice(offset, offset + len(row.input_ids))
+                for name in ("aux_hidden_states", "final_hidden_state"):
+                    worst = max(worst, relative_error(stored[name], features[name][span].cpu()))
+                offset += len(row.input_ids)
+                compared += 1
+    result: dict[str, Any] = {"split_max_rel_err_same_batches": worst, "split_samples_compared": compared}
+    log(f"split vs one GPU, same batches: max relative error {worst:.2e} over {compared} samples")
+    if (stores / "bf16-1" / "manifest.json").exists():
+        one = hsstore.open_store(str(stores / "bf16-1"))
+        one_index = {sid: i for i, sid in enumerate(one.samples["sample_id"].to_pylist())}
+        store_worst, store_compared = 0.0, 0
+        for index, sample_id in enumerate(split_ids[: args.compare_samples]):
+            a, b = split.read_sample(index), one.read_sample(one_index[sample_id])
+            for name in ("aux_hidden_states", "final_hidden_state"):
+                store_worst = max(store_worst, relative_error(a[name], b[name]))
+            store_compared += 1
+        result.update(split_max_rel_err_vs_store=store_worst, split_store_samples_compared=store_compared)
+        log(f"split store vs 1-GPU store: max relative error {store_worst:.2e} over {store_compared} samples")
+    print(json.dumps(result))
 
 
 # --- the whole session ------------------------------------------------------------------------------
 
 
 def run(args: argparse.Namespace) -> None:
+    """Every step in turn; the JSON files are rewritten after each, so a run cut short keeps what it
+    measured. A step that fails is logged and skipped; none starts after ``--deadline-s``."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    machine = machine_facts(args)
+    state: dict[str, Any] = {"machine": machine_facts(args), "runs": {}, "bare": None, "disk": None, "compared": {}}
     step(args, "prepare", "--tokens", str(args.tokens), "--min-length", str(args.min_length), "--max-length", str(args.max_length))
-    disk = disk_gb_per_s(work, args.disk_gib)
-    log(f"disk: {disk:.2f} GB/s written (fsync)")
-    runs: dict[str, dict[str, Any]] = {}
-    split = args.device == "cuda" and args.split_gpus > 1
-    if split:
-        runs["split"] = extract(args, "split", codec="bf16", workers=1, gpus_per_worker=args.split_gpus, limit=args.split_records)
-    bare_result = step(args, "bare")
+    state["disk"] = disk_gb_per_s(work, args.disk_gib)
+    log(f"disk: {state['disk']:.2f} GB/s written (fsync)")
     one_gpu = 1 if args.device == "cuda" else 0
-    runs["bf16-1"] = extract(args, "bf16-1", codec="bf16", workers=1, gpus_per_worker=one_gpu, limit=None)
-    compared: dict[str, Any] = step(args, "compare") if split else {}
-    shutil.rmtree(work / "stores", ignore_errors=True)
-    plan = [("bf16-2", "bf16", 2), ("fp8-1", "fp8_e4m3", 1), ("fp8-2", "fp8_e4m3", 2)]
+    split = args.device == "cuda" and args.split_gpus > 1
+
+    def timed_out(name: str) -> bool:
+        if time.time() - started > args.deadline_s:
+            log(f"skipped {name}: past --deadline-s {args.deadline_s}")
+            return True
+        return False
+
+    def attempt(name: str, action: Any) -> None:
+        if timed_out(name):
+            return
+        try:
+            action()
+        except (SystemExit, Exception) as err:  # noqa: BLE001 - one failed step must not lose the others
+            log(f"{name} failed: {err}")
+        write_outputs(args, state, started)
+
+    attempt("bare", lambda: state.update(bare=step(args, "bare")))
+    plan = [("bf16-1", "bf16", 1), ("fp8-1", "fp8_e4m3", 1), ("bf16-2", "bf16", 2), ("fp8-2", "fp8_e4m3", 2)]
     for name, codec, workers in plan:
         if workers > args.gpus:
             continue
-        runs[name] = extract(args, name, codec=codec, workers=workers, gpus_per_worker=one_gpu, limit=None)
-        shutil.rmtree(work / "stores", ignore_errors=True)
+        attempt(name, lambda name=name, codec=codec, workers=workers: state["runs"].__setitem__(
+            name, extract(args, name, codec=codec, workers=workers, gpus_per_worker=one_gpu, limit=None)))
+        if name != "bf16-1":  # kept for the split comparison
+            shutil.rmtree(work / "stores" / name, ignore_errors=True)
+    if split:
+        attempt("split", lambda: state["runs"].__setitem__(
+            "split", extract(args, "split", codec="bf16", workers=1, gpus_per_worker=args.split_gpus, limit=args.split_records)))
+        if "split" in state["runs"]:
+            attempt("compare", lambda: state.update(compared=step(args, "compare")))
+    shutil.rmtree(work / "stores", ignore_errors=True)
+    write_outputs(args, state, started)
+    if state["bare"] is not None and state["runs"]:
+        print(table(json.loads((out / "extract-h200.json").read_text()), state["runs"]))
+
+
+def write_outputs(args: argparse.Namespace, state: dict[str, Any], started: float) -> None:
+    """extract-h200.json (issue 13's keys) and split-target.json (issue 16's) from what ran so far."""
+    out = Path(args.out)
+    runs, bare, compared = state["runs"], state["bare"], state["compared"]
 
     def tps(name: str) -> float | None:
         return runs[name]["tokens_per_second"] if name in runs else None
 
+    bare_tps = bare["bare_tokens_per_s"] if bare else None
     results = {
-        "bare_tokens_per_s": bare_result["bare_tokens_per_s"],
+        "bare_tokens_per_s": bare_tps,
         "ray": {
             "bf16": {"gpus_1": tps("bf16-1"), "gpus_2": tps("bf16-2")},
             "fp8_e4m3": {"gpus_1": tps("fp8-1"), "gpus_2": tps("fp8-2")},
         },
-        "padding_fraction": runs["bf16-1"]["padding_waste"],
-        "disk_gb_per_s": disk,
+        "padding_fraction": runs["bf16-1"]["padding_waste"] if "bf16-1" in runs else (bare or {}).get("padding_fraction"),
+        "disk_gb_per_s": state["disk"],
         "per_gpu_vs_bare": {
-            name: runs[name]["tokens_per_second"] / (int(name[-1]) * bare_result["bare_tokens_per_s"])
-            for name in runs if name != "split"
+            name: r["tokens_per_second"] / (int(name[-1]) * bare_tps)
+            for name, r in runs.items() if name != "split" and bare_tps
         },
         "writer_busy_fraction": {name: r["writer_busy_fraction"] for name, r in runs.items()},
         "write_gb_per_s": {name: r["write_gb_per_s"] for name, r in runs.items()},
         "store_bytes_per_token": {name: r["bytes_per_token"] for name, r in runs.items()},
-        "num_tokens": runs["bf16-1"]["num_tokens_written"],
-        "bare": bare_result,
+        "num_tokens": (bare or {}).get("num_tokens"),
+        "bare": bare,
         "runs": runs,
         "settings": settings_of(args),
-        "machine": machine,
+        "machine": state["machine"],
         "command": " ".join([os.path.relpath(sys.argv[0], REPO_ROOT), *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
         "wall_seconds": time.time() - started,
     }
     (out / "extract-h200.json").write_text(json.dumps(results, indent=2))
-    if split:
+    if "split" in runs:
         split_target = {
             "split_target": {
                 "gpus": args.split_gpus,
                 "tokens_per_s": runs["split"]["tokens_per_second"],
-                "one_gpu_tokens_per_s": runs["bf16-1"]["tokens_per_second"],
-                "max_rel_err_vs_one_gpu": bare_result.get("split_max_rel_err_same_batches"),
+                "one_gpu_tokens_per_s": tps("bf16-1"),
+                "max_rel_err_vs_one_gpu": compared.get("split_max_rel_err_same_batches"),
                 "max_rel_err_vs_one_gpu_store": compared.get("split_max_rel_err_vs_store"),
-                "samples_compared": bare_result.get("split_samples_compared"),
+                "samples_compared": compared.get("split_samples_compared"),
                 "num_tokens": runs["split"]["num_tokens_written"],
                 "note": "max_rel_err_vs_one_gpu: the split store against the same batches' features "
                 "computed by the same capture code on one GPU; _store: against the 1-GPU bf16 store "
-                "(same samples, batched differently)",
+                "(the same samples, batched differently)",
             },
-            "machine": machine,
+            "machine": state["machine"],
             "date": results["date"],
         }
         (out / "split-target.json").write_text(json.dumps(split_target, indent=2))
-    print(table(results, runs))
 
 
 def settings_of(args: argparse.Namespace) -> dict[str, Any]:
@@ -422,9 +472,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--executor", default="ray", choices=["ray", "local"])
     parser.add_argument("--gpus", type=int, default=2, help="GPUs on the machine (runs with more actors are skipped)")
     parser.add_argument("--split-gpus", type=int, default=2, help="GPUs of the split-target actor (1: no split run)")
-    parser.add_argument("--split-records", type=int, default=300, help="records the split run extracts")
+    parser.add_argument("--split-records", type=int, default=200, help="records the split run extracts")
     parser.add_argument("--compare-samples", type=int, default=32, help="samples compared split vs one GPU")
-    parser.add_argument("--tokens", type=int, default=1_600_000)
+    parser.add_argument("--tokens", type=int, default=1_200_000)
     parser.add_argument("--min-length", type=int, default=1024)
     parser.add_argument("--max-length", type=int, default=2048)
     parser.add_argument("--max-length-cap", type=int, default=4096, help="batching.max_length")
@@ -432,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unit-tokens", type=int, default=262144)
     parser.add_argument("--cpus-per-worker", type=float, default=8)
     parser.add_argument("--disk-gib", type=float, default=4.0)
+    parser.add_argument("--planning-workers", type=int, default=4, help="planning.num_workers of each run")
+    parser.add_argument("--deadline-s", type=float, default=480, help="start no step after this many seconds")
     args = parser.parse_args(argv)
     {"run": run, "prepare": prepare, "bare": bare, "compare": compare}[args.command](args)
     return 0
