@@ -163,13 +163,22 @@ def extract(args: argparse.Namespace, name: str, **settings: Any) -> dict[str, A
     if done.returncode != 0:
         sys.stderr.write(done.stderr[-4000:])
         raise SystemExit(f"extract {name} failed ({done.returncode})")
-    summary = json.loads(done.stdout[done.stdout.index("{"):])
+    summary = last_json_object(done.stdout)
     summary["process_seconds"] = time.perf_counter() - start
     summary["write_gb_per_s"] = summary["store_bytes"] / summary["extract_seconds"] / 1e9
     log(f"  {summary['tokens_per_second']:,.0f} tok/s, padding {100 * summary['padding_waste']:.2f}%, "
         f"writer busy {100 * summary['writer_busy_fraction']:.0f}%, {summary['write_gb_per_s']:.2f} GB/s written, "
         f"{summary['process_seconds']:.0f} s in all")
     return summary
+
+
+def last_json_object(text: str) -> dict[str, Any]:
+    """The summary `hsstore extract --json` prints (indented: a line "{" to a line "}"), whatever
+    else (Ray's log lines) shares its stdout."""
+    lines = text.splitlines()
+    start = max(i for i, line in enumerate(lines) if line == "{")
+    end = next(i for i in range(start, len(lines)) if lines[i] == "}")
+    return json.loads("\n".join(lines[start : end + 1]))
 
 
 def step(args: argparse.Namespace, name: str, *extra: str) -> dict[str, Any]:
@@ -483,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpus-per-worker", type=float, default=8)
     parser.add_argument("--disk-gib", type=float, default=4.0)
     parser.add_argument("--planning-workers", type=int, default=4, help="planning.num_workers of each run")
-    parser.add_argument("--deadline-s", type=float, default=480, help="start no step after this many seconds")
+    parser.add_argument("--deadline-s", type=float, default=400, help="start no step after this many seconds")
     args = parser.parse_args(argv)
     {"run": run, "prepare": prepare, "bare": bare, "compare": compare}[args.command](args)
     return 0

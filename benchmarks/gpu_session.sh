@@ -52,10 +52,12 @@ evaluate)
 extract-ray)
   # Bare forward vs `hsstore extract` through Ray (1 and 2 actors, bf16 and fp8) and the Qwen3-8B
   # shape split over 2 GPUs by one actor; writes $OUT/extract-h200.json and $OUT/split-target.json.
-  # EXTRACT_RAY_ARGS="--tokens 1000000" shortens it (default 1.6M tokens, ~7-8 min on 2 H200s).
+  # EXTRACT_RAY_ARGS="--tokens 800000" shortens it (default 1.2M tokens; ~7 min on 2 H200s, no
+  # step starts after 400 s of benchmark; the JSON is rewritten after each step).
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c 'import torch, transformers, sys; print(sys.version.split()[0], torch.__version__, transformers.__version__)'; nproc; df -h /tmp | tail -n 1; } | tee "$OUT/machine.txt"
-  timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/hsstore/test_codecs_encode_torch.py tests/pipelines/extract/test_sink.py tests/pipelines/extract/test_placement.py 2>&1 | tail -n 4 | tee "$OUT/gpu-tests.txt"
   python3 benchmarks/bench_extract_ray.py run --out "$OUT" --work /tmp/hsstore-work/extract-ray ${EXTRACT_RAY_ARGS:-} 2>&1 | tail -n 40
+  # The GPU-marked tests of this work (GPU fp8 encode == CPU bits, the pinned pool, a 2-GPU split).
+  timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/hsstore/test_codecs_encode_torch.py tests/pipelines/extract/test_sink.py tests/pipelines/extract/test_placement.py 2>&1 | tail -n 4 | tee "$OUT/gpu-tests.txt"
   ;;
 *) echo "unknown stage $stage"; exit 2 ;;
 esac

@@ -100,3 +100,27 @@ def test_missing_files_are_named(tmp_path: Path) -> None:
         tokenizer_sha256(tmp_path)
     assert config_sha256({"a": 1, "transformers_version": "1"}) == config_sha256({"a": 1})
     assert default_aux_layer_ids(4) == [1, 2] and default_aux_layer_ids(1) == [0, 1]
+
+
+def test_large_file_digests_are_remembered_until_the_file_changes(tmp_path, monkeypatch):
+    """A weight file's sha256 is cached by path, size, mtime and inode: a rerun does not rehash 16+ GB,
+    and any change to the file (here its size and mtime) rehashes it."""
+    import hashlib
+    import os
+
+    from pipelines import target_identity
+
+    monkeypatch.setenv("HSSTORE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(target_identity, "HASH_CACHE_MIN_BYTES", 1)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"a" * 1000)
+    first = target_identity.sha256_file(weights)
+    assert first == hashlib.sha256(b"a" * 1000).hexdigest()
+    assert (tmp_path / "cache" / "file-sha256.json").exists()
+    calls = []
+    real = hashlib.sha256
+    monkeypatch.setattr(target_identity.hashlib, "sha256", lambda *a: calls.append(1) or real(*a))
+    assert target_identity.sha256_file(weights) == first and calls == []  # from the cache
+    weights.write_bytes(b"b" * 1001)
+    os.utime(weights, ns=(1, 1))
+    assert target_identity.sha256_file(weights) == real(b"b" * 1001).hexdigest() and calls == [1]
