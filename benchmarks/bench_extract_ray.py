@@ -69,7 +69,10 @@ def prepare(args: argparse.Namespace) -> None:
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import PreTrainedTokenizerFast
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:  # transformers versions that name only the backend class
+        from transformers import TokenizersBackend as PreTrainedTokenizerFast
 
     sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
     from bench_extract import build_model
