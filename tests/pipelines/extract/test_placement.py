@@ -20,7 +20,10 @@ def batch_features(model: torch.nn.Module, output_device: str, topk: bool = Fals
     input_ids, attention_mask = collate(token_ids, batch, pad_token_id=0)
     valid = torch.from_numpy(np.flatnonzero(attention_mask.reshape(-1))).to(output_device)
     with HiddenStateCapture(model, [0, 2, 4], topk_k=4 if topk else None, pass_attention_mask=False) as capture:
-        return capture(torch.from_numpy(input_ids), torch.from_numpy(attention_mask), valid)
+        # The worker moves a batch to the model's input device; so does this (a split model's
+        # pre-hook would too, a plain one would not).
+        input_device = next(model.parameters()).device
+        return capture(torch.from_numpy(input_ids).to(input_device), torch.from_numpy(attention_mask).to(input_device), valid)
 
 
 def test_move_to_reaches_nested_tensors() -> None:
