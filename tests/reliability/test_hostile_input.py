@@ -264,10 +264,24 @@ def test_shard_paths_leaving_the_store_are_refused_by_open_and_verify(store_dir,
     assert len(problems(store_dir)) == 1 and problems(store_dir)[0].startswith("manifest:")
 
 
+def _grow_sample_tokens(shard: dict, tokens: int = 0, samples: int = 0) -> None:
+    """Keep the per-sample lengths the manifest records consistent with an edited count, so the
+    manifest stays self-consistent and only the files disagree."""
+    from hsstore.manifest import decode_sample_tokens, encode_sample_tokens
+
+    if shard.get("sample_tokens") is None:
+        return
+    lengths = list(decode_sample_tokens(shard["sample_tokens"]))
+    lengths[-1] += tokens
+    lengths += [0] * samples
+    shard["sample_tokens"] = encode_sample_tokens(lengths)
+
+
 def test_token_counts_that_disagree_with_the_files_are_named(store_dir):
     def grow(m: dict) -> None:
         m["shards"][1]["num_tokens"] += 5
         m["num_tokens"] += 5
+        _grow_sample_tokens(m["shards"][1], tokens=5)
 
     edit_manifest(store_dir, grow)
     store = hsstore.open_store(str(store_dir))  # self-consistent manifest: opens
@@ -283,6 +297,7 @@ def test_row_counts_that_disagree_with_the_table_are_named(store_dir):
     def grow(m: dict) -> None:
         m["shards"][0]["num_samples"] += 1
         m["num_samples"] += 1
+        _grow_sample_tokens(m["shards"][0], samples=1)
 
     edit_manifest(store_dir, grow)
     store = hsstore.open_store(str(store_dir))
