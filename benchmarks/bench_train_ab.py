@@ -54,6 +54,17 @@ def train(tree: Path, recipe: dict[str, Any], threads: int) -> dict[str, Any]:
     return json.loads(line[len("SUMMARY "):])
 
 
+def readable_by_older(store: Path) -> None:
+    """Drop the manifest's optional per-sample lengths (``ShardRecord.sample_tokens``, added after
+    the first release; readers without it read the sample tables instead), which an older
+    hsstore's manifest model refuses as an unknown field."""
+    path = store / "manifest.json"
+    manifest = json.loads(path.read_text())
+    for shard in manifest["shards"]:
+        shard.pop("sample_tokens", None)
+    path.write_text(json.dumps(manifest, indent=1) + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", required=True, help="a checkout of the baseline commit")
@@ -74,6 +85,8 @@ def main() -> int:
         extract_reference(store, TRAIN_DATA, args.records, args.max_length, "bf16", "cpu")
     if not held_out.exists():
         extract_reference(held_out, TRAIN_DATA, args.held_out, args.max_length, "bf16", "cpu", skip=args.records)
+    for path in (store, held_out):
+        readable_by_older(path)
     trees = {"baseline": Path(args.baseline).resolve(), "current": REPO}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
     for repeat in range(args.repeats):
