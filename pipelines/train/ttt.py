@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from pipelines.models.eagle3 import Eagle3Draft
-from pipelines.models.ttt_attention import make_ttt_attention, ttt_base_mask
+from pipelines.models.ttt_attention import make_ttt_attention
 from pipelines.train.loss import TeacherRows, linear_soft_cross_entropy
 from pipelines.train.teacher import DenseTeacherRows
 
@@ -181,7 +181,3 @@ def ttt_forward(
         out.step_accuracies.append(correct.float() / count.clamp(min=1))
     out.loss = total
     return out
-
-
-# The depth-0 mask of the eager path, under the name earlier code imported.
-ttt_attention_mask = ttt_base_mask
