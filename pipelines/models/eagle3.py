@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
-from pipelines.models.ttt_attention import EagerTTTAttention, FlexTTTAttention
+from pipelines.models.ttt_attention import EagerTTTAttention, FlexTTTAttention, SegmentedTTTAttention
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-TTTAttention = EagerTTTAttention | FlexTTTAttention
+TTTAttention = EagerTTTAttention | SegmentedTTTAttention | FlexTTTAttention
 
 
 class Eagle3Config(BaseModel):

@@ -6,12 +6,15 @@ At TTT depth i a query at position t sees (docs/draft-model.md):
   measured in RoPE positions: ``position[t] + i - position[s] < W``), and
 - its own keys from depths 1..i (the draft's drafted chain at that position).
 
-Two implementations give the same result:
+Three implementations give the same result:
 
-``EagerTTTAttention`` (CPU, float64 tests, any device): depth 0 through SDPA with a dense
-``[B, T, T]`` bool mask; depths >= 1 score the depth-0 keys as one ``[T, T]`` matrix and the own
-keys as per-position dot products. Simple and exact, but it materialises T x T scores, which at
-T = 8192 cost gigabytes and a third of the step on an H200.
+``EagerTTTAttention`` (the reference, float64 tests, any device): depth 0 through SDPA with a
+dense ``[B, T, T]`` bool mask; depths >= 1 score the depth-0 keys as one ``[T, T]`` matrix and the
+own keys as per-position dot products. Simple and exact, but it materialises T x T scores, which
+at T = 8192 cost gigabytes and a third of the step on an H200.
+
+``SegmentedTTTAttention`` (the CPU's default): the same formula per document run of each packed
+row, so the scores are ``sum(L_d^2)`` rather than ``T^2`` and unwindowed runs need no mask.
 
 ``FlexTTTAttention`` (CUDA): one fused ``flex_attention`` call per depth over the keys of every
 depth laid side by side, ``[k_0 | k_1 | ... | k_{L-1}]`` (each region padded to a multiple of the
@@ -61,60 +64,126 @@ def ttt_base_mask(
     return base
 
 
-class EagerTTTAttention:
-    """The reference implementation: dense masks and explicit scores (see the module docstring).
+def attend_with_own_keys(
+    q_BNTD: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    base_mask_BTS: torch.Tensor | None,
+) -> torch.Tensor:
+    """Dense TTT attention of one depth: ``keys[0]``/``values[0]`` are the depth-0 keys (visible
+    where ``base_mask_BTS`` is True; None = plain causal), ``keys[1:]`` the query position's own
+    keys of depths 1..i (one each). Depth 0 goes through SDPA; deeper depths score one [T, S]
+    matrix over the depth-0 keys plus, per position, a dot product with each own key (never the
+    T x iT blocks a concatenated cache would need)."""
+    k0, v0 = keys[0], values[0]
+    B, N, T, D = q_BNTD.shape
+    num_kv = k0.shape[1]
+    if len(keys) == 1:
+        groups = N // num_kv
+        return F.scaled_dot_product_attention(
+            q_BNTD,
+            k0.repeat_interleave(groups, dim=1),
+            v0.repeat_interleave(groups, dim=1),
+            attn_mask=None if base_mask_BTS is None else base_mask_BTS[:, None],
+            is_causal=base_mask_BTS is None,
+        )
+    if base_mask_BTS is None:
+        base_mask_BTS = torch.ones(T, T, dtype=torch.bool, device=q_BNTD.device).tril()[None]
+    q = q_BNTD.view(B, num_kv, N // num_kv, T, D)  # group query heads per kv head
+    scale = 1.0 / math.sqrt(D)
+    base_scores = torch.einsum("bhgtd,bhsd->bhgts", q, k0) * scale
+    base_scores = base_scores.masked_fill(~base_mask_BTS[:, None, None], float("-inf"))
+    own_k = torch.stack(keys[1:], dim=3)  # [B, kv, T, i, D]
+    own_v = torch.stack(values[1:], dim=3)
+    own_scores = torch.einsum("bhgtd,bhtid->bhgti", q, own_k) * scale
+    scores = torch.cat([base_scores, own_scores], dim=-1)
+    weights = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
+    # One split (its backward is one concatenation), not a slice or select per own key, whose
+    # backward would each zero-fill a whole [T, S + i] gradient.
+    base_w, own_w = weights.to(q.dtype).split([k0.shape[2], len(keys) - 1], dim=-1)
+    out = torch.einsum("bhgts,bhsd->bhgtd", base_w, v0) + torch.einsum("bhgti,bhtid->bhgtd", own_w, own_v)
+    return out.reshape(B, N, T, D)
 
-    Holds the depth-0 keys and each depth's own keys for one unroll; ``attend`` is called once per
-    depth in order 0, 1, 2, ..."""
+
+class _KeysByDepth:
+    """The keys and values of each depth of one unroll, attended in order 0, 1, 2, ..."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def _push(self, k: torch.Tensor, v: torch.Tensor, depth: int) -> None:
+        if depth != len(self.keys):
+            raise ValueError(f"depth {depth} attended out of order (expected {len(self.keys)})")
+        self.keys.append(k)
+        self.values.append(v)
+
+
+class EagerTTTAttention(_KeysByDepth):
+    """The reference implementation: one dense ``[T, T]`` mask per row and explicit scores (see
+    the module docstring). Exact on any device; the tests compare the others with it."""
 
     def __init__(
         self, doc_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, sliding_window: int | None
     ) -> None:
+        super().__init__()
         self.doc_ids = doc_ids_BT
         self.position_ids = position_ids_BT
         self.window = sliding_window
-        self.base_kv: KVCache | None = None
-        self.diagonal_kv: list[KVCache] = []
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, depth: int) -> torch.Tensor:
         """q [B, heads, T, D], k/v [B, kv_heads, T, D] (RoPE applied) -> [B, heads, T, D]."""
+        self._push(k, v, depth)
         mask = ttt_base_mask(self.doc_ids, self.position_ids, depth, self.window)
-        if depth == 0:
-            self.base_kv = (k, v)
-            groups = q.shape[1] // k.shape[1]
-            return F.scaled_dot_product_attention(
-                q,
-                k.repeat_interleave(groups, dim=1),
-                v.repeat_interleave(groups, dim=1),
-                attn_mask=mask[:, None],
-            )
-        assert self.base_kv is not None, "depth 0 must be attended first"
-        self.diagonal_kv.append((k, v))
-        return self._with_diagonal(q, mask)
+        return attend_with_own_keys(q, self.keys, self.values, mask)
 
-    def _with_diagonal(self, q_BNTD: torch.Tensor, base_mask_BTS: torch.Tensor) -> torch.Tensor:
-        """Depth >= 1: one [T, T] score matrix over the depth-0 keys plus, per position, a dot
-        product with each of its own keys (never the T x iT blocks the concatenated cache would
-        need)."""
-        assert self.base_kv is not None
-        k0, v0 = self.base_kv
-        B, N, T, D = q_BNTD.shape
-        num_kv = k0.shape[1]
-        q = q_BNTD.view(B, num_kv, N // num_kv, T, D)  # group query heads per kv head
-        scale = 1.0 / math.sqrt(D)
-        base_scores = torch.einsum("bhgtd,bhsd->bhgts", q, k0) * scale
-        base_scores = base_scores.masked_fill(~base_mask_BTS[:, None, None], float("-inf"))
-        diag_scores = torch.stack(
-            [(q * k_j[:, :, None]).sum(-1) * scale for k_j, _ in self.diagonal_kv], dim=-1
-        )  # [B, kv, G, T, i]
-        scores = torch.cat([base_scores, diag_scores], dim=-1)
-        weights = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
-        weights = weights.to(q.dtype)
-        S = k0.shape[2]
-        out = torch.einsum("bhgts,bhsd->bhgtd", weights[..., :S], v0)
-        for j, (_, v_j) in enumerate(self.diagonal_kv):
-            out = out + weights[..., S + j, None] * v_j[:, :, None]
-        return out.reshape(B, N, T, D)
+
+class SegmentedTTTAttention(_KeysByDepth):
+    """The CPU's default: the dense formula of ``attend_with_own_keys`` applied to each document
+    run of each packed row separately. Attention never crosses a document, so a row of documents
+    of lengths L_d costs sum(L_d^2) scores instead of T^2 (a row of 1,536 tokens holding documents
+    of ~650 costs ~2.4x less), and a run without a window needs no mask at all (SDPA's causal
+    kernel at depth 0). Same result as the reference; the run boundaries are read to the host
+    once per batch, which is free on the CPU (on CUDA, flex does this work block-sparsely)."""
+
+    def __init__(
+        self, doc_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, sliding_window: int | None
+    ) -> None:
+        super().__init__()
+        self.position_ids = position_ids_BT
+        self.window = sliding_window
+        runs = run_ids(doc_ids_BT)
+        starts = torch.ones_like(runs, dtype=torch.bool)
+        starts[:, 1:] = runs[:, 1:] != runs[:, :-1]
+        T = doc_ids_BT.shape[1]
+        self.segments: list[list[tuple[int, int]]] = []
+        for row in starts.cpu():
+            bounds = [*row.nonzero().flatten().tolist(), T]
+            self.segments.append(list(zip(bounds[:-1], bounds[1:], strict=True)))
+
+    def _segment_mask(self, b: int, start: int, end: int, depth: int) -> torch.Tensor | None:
+        """Causal (None) or causal and windowed by RoPE distance, [1, L, L]."""
+        if self.window is None:
+            return None
+        pos = self.position_ids[b, start:end]
+        L = end - start
+        causal = torch.ones(L, L, dtype=torch.bool, device=pos.device).tril()
+        return (causal & (pos[:, None] + depth - pos[None, :] < self.window))[None]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, depth: int) -> torch.Tensor:
+        """q [B, heads, T, D], k/v [B, kv_heads, T, D] (RoPE applied) -> [B, heads, T, D]."""
+        self._push(k, v, depth)
+        rows = []
+        for b, segments in enumerate(self.segments):
+            parts = []
+            for start, end in segments:
+                cut = (slice(b, b + 1), slice(None), slice(start, end))
+                parts.append(attend_with_own_keys(
+                    q[cut], [x[cut] for x in self.keys], [x[cut] for x in self.values],
+                    self._segment_mask(b, start, end, depth),
+                ))
+            rows.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
+        return torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]
 
 
 _COMPILED_FLEX: Any = None
@@ -132,7 +201,7 @@ def _flex_attention(compiled: bool) -> Any:
     return _COMPILED_FLEX
 
 
-class FlexTTTAttention:
+class FlexTTTAttention(_KeysByDepth):
     """Fused block-sparse attention over ``[k_0 | k_1 | ... | k_{L-1}]`` (module docstring).
 
     Built once per batch: block-level document and position ranges are computed here, each depth's
@@ -154,6 +223,7 @@ class FlexTTTAttention:
         self.ttt_length = ttt_length
         self.window = sliding_window
         self.flex = _flex_attention(compiled)
+        super().__init__()
         pad = self.Tp - T
         runs = run_ids(doc_ids_BT)
         positions = position_ids_BT.to(torch.int32)
@@ -166,8 +236,6 @@ class FlexTTTAttention:
         self.run_last = runs.view(blocks)[:, :, -1]
         self.pos_min = positions.view(blocks).amin(-1)
         self.pos_max = positions.view(blocks).amax(-1)
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
 
     def _pad(self, x_BNTD: torch.Tensor) -> torch.Tensor:
         return F.pad(x_BNTD, (0, 0, 0, self.Tp - self.T)) if self.Tp != self.T else x_BNTD
@@ -225,10 +293,7 @@ class FlexTTTAttention:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, depth: int) -> torch.Tensor:
         """q [B, heads, T, D], k/v [B, kv_heads, T, D] (RoPE applied) -> [B, heads, T, D]."""
-        if depth != len(self.keys):
-            raise ValueError(f"depth {depth} attended out of order (expected {len(self.keys)})")
-        self.keys.append(self._pad(k))
-        self.values.append(self._pad(v))
+        self._push(self._pad(k), self._pad(v), depth)
         absent = [torch.zeros_like(self.keys[0])] * (self.ttt_length - 1 - depth)
         keys = torch.cat([*self.keys, *absent], dim=2)
         values = torch.cat([*self.values, *absent], dim=2)
@@ -245,15 +310,17 @@ def make_ttt_attention(
     position_ids_BT: torch.Tensor,
     sliding_window: int | None,
     ttt_length: int,
-) -> EagerTTTAttention | FlexTTTAttention:
-    """``backend``: ``auto`` (flex on CUDA for bf16/fp16/fp32, eager elsewhere), ``flex`` or
-    ``eager``. Flex needs CUDA to train: its CPU path has no backward."""
+) -> EagerTTTAttention | SegmentedTTTAttention | FlexTTTAttention:
+    """``backend``: ``auto`` (flex on CUDA, segmented elsewhere), ``flex``, ``segmented`` or
+    ``eager`` (all give the same result). Flex needs CUDA to train: its CPU path has no backward."""
     if backend == "auto":
-        backend = "flex" if doc_ids_BT.is_cuda else "eager"
+        backend = "flex" if doc_ids_BT.is_cuda else "segmented"
     if backend == "flex":
         return FlexTTTAttention(
             doc_ids_BT, position_ids_BT, sliding_window, ttt_length, compiled=doc_ids_BT.is_cuda
         )
+    if backend == "segmented":
+        return SegmentedTTTAttention(doc_ids_BT, position_ids_BT, sliding_window)
     if backend == "eager":
         return EagerTTTAttention(doc_ids_BT, position_ids_BT, sliding_window)
-    raise ValueError(f"unknown TTT attention backend {backend!r} (auto, flex, eager)")
+    raise ValueError(f"unknown TTT attention backend {backend!r} (auto, flex, segmented, eager)")

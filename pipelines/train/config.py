@@ -159,9 +159,10 @@ class TrainRecipe(RecipeModel):
     grad_accum_steps: int = Field(
         default=1, gt=0, description="micro-batches per optimizer step (each rank's batch = rows_per_batch rows)"
     )
-    attention: Literal["auto", "flex", "eager"] = Field(
+    attention: Literal["auto", "flex", "segmented", "eager"] = Field(
         default="auto",
-        description="TTT attention: fused block-sparse flex_attention (auto on CUDA) or the eager dense-mask reference",
+        description="TTT attention: fused block-sparse flex_attention (auto on CUDA), per-document dense "
+        "attention (auto elsewhere) or the eager dense-mask reference; all give the same result",
     )
     compile: Literal["auto", "on", "off"] = Field(
         default="auto", description="torch.compile the draft's norms/MLP and the loss kernel (auto: on CUDA only)"

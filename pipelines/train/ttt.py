@@ -81,8 +81,9 @@ def ttt_unroll(
 ) -> list[torch.Tensor]:
     """Run the draft for ``ttt_length`` depths; returns the hidden output of each depth.
 
-    ``attention``: ``auto`` (fused flex attention on CUDA, the eager reference elsewhere),
-    ``flex`` or ``eager`` (``pipelines.models.ttt_attention``; both give the same result).
+    ``attention``: ``auto`` (fused flex attention on CUDA, per-document attention elsewhere),
+    ``flex``, ``segmented`` or ``eager`` (``pipelines.models.ttt_attention``; all give the same
+    result).
     Positions whose shifted inputs fall outside their document compute garbage that no scored
     position can see (causality and the document mask guarantee it); the step masks drop them.
     """

@@ -1,4 +1,5 @@
-"""The fused (flex) TTT attention equals the eager reference at every depth.
+"""The fused (flex) and per-document (segmented) TTT attention equal the eager reference at every
+depth.
 
 On the CPU flex_attention runs its eager reference path, forward only (it has no CPU backward);
 the ``gpu`` tests compile it and compare gradients too. Shapes cross 128-token block boundaries so
@@ -10,7 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipelines.models.ttt_attention import EagerTTTAttention, FlexTTTAttention, run_ids
+from pipelines.models.ttt_attention import (
+    EagerTTTAttention,
+    FlexTTTAttention,
+    SegmentedTTTAttention,
+    make_ttt_attention,
+    run_ids,
+)
 
 CASES = [
     # (doc lengths per row, sliding window, ttt length)
@@ -59,6 +66,37 @@ def test_flex_equals_eager_forward_on_cpu(doc_lengths, window, ttt_length):
     got = unroll(FlexTTTAttention(docs, pos, window, ttt_length, compiled=False), inputs)
     for depth, (g, w) in enumerate(zip(got, want, strict=True)):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=f"depth {depth}")
+
+
+def forward_and_grads(attention, base):
+    inputs = [tuple(x.clone().requires_grad_(True) for x in depth) for depth in base]
+    outs = unroll(attention, inputs)
+    loss = sum((o * (i + 1)).square().mean() for i, o in enumerate(outs))
+    loss.backward()
+    return outs, [[x.grad for x in depth] for depth in inputs]
+
+
+@pytest.mark.parametrize(("doc_lengths", "window", "ttt_length"), CASES)
+def test_segmented_equals_eager_forward_and_backward(doc_lengths, window, ttt_length):
+    docs, pos = packed(doc_lengths)
+    base = qkv(docs.shape[0], docs.shape[1], ttt_length, "cpu", torch.float64)
+    want_out, want_grads = forward_and_grads(EagerTTTAttention(docs, pos, window), base)
+    got_out, got_grads = forward_and_grads(SegmentedTTTAttention(docs, pos, window), base)
+    for depth, (g, w) in enumerate(zip(got_out, want_out, strict=True)):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10, msg=f"depth {depth}")
+    for depth, (gd, wd) in enumerate(zip(got_grads, want_grads, strict=True)):
+        for name, g, w in zip("qkv", gd, wd, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10, msg=f"d{name} at depth {depth}")
+
+
+def test_segmented_splits_rows_at_document_runs_and_auto_picks_it_on_the_cpu():
+    docs, pos = packed([[100, 157, 43], [5, 295]])
+    attention = make_ttt_attention("auto", docs, pos, None, ttt_length=2)
+    assert isinstance(attention, SegmentedTTTAttention)
+    assert attention.segments == [[(0, 100), (100, 257), (257, 300)], [(0, 5), (5, 300)]]
+    with pytest.raises(ValueError, match="out of order"):
+        q, k, v = qkv(2, 300, 1, "cpu", torch.float32)[0]
+        attention.attend(q, k, v, depth=1)
 
 
 def listed_blocks(num: torch.Tensor, indices: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -130,16 +168,10 @@ def test_run_ids_number_contiguous_documents():
 def test_flex_equals_eager_forward_and_backward_on_gpu(doc_lengths, window, ttt_length):
     docs, pos = packed(doc_lengths, "cuda")
     base = qkv(docs.shape[0], docs.shape[1], ttt_length, "cuda", torch.float32)
-    results = {}
-    for name, attention in (
-        ("eager", EagerTTTAttention(docs, pos, window)),
-        ("flex", FlexTTTAttention(docs, pos, window, ttt_length, compiled=True)),
-    ):
-        inputs = [tuple(x.clone().requires_grad_(True) for x in depth) for depth in base]
-        outs = unroll(attention, inputs)
-        loss = sum((o * (i + 1)).square().mean() for i, o in enumerate(outs))
-        loss.backward()
-        results[name] = (outs, [[x.grad for x in depth] for depth in inputs])
+    results = {
+        "eager": forward_and_grads(EagerTTTAttention(docs, pos, window), base),
+        "flex": forward_and_grads(FlexTTTAttention(docs, pos, window, ttt_length, compiled=True), base),
+    }
     for (g, w) in zip(results["flex"][0], results["eager"][0], strict=True):
         torch.testing.assert_close(g, w, rtol=2e-4, atol=2e-4)
     for gd, wd in zip(results["flex"][1], results["eager"][1], strict=True):
