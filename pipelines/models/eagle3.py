@@ -23,7 +23,11 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
-from pipelines.models.ttt_attention import EagerTTTAttention, FlexTTTAttention, SegmentedTTTAttention
+from pipelines.models.ttt_attention import (
+    EagerTTTAttention,
+    FlexTTTAttention,
+    SegmentedTTTAttention,
+)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 TTTAttention = EagerTTTAttention | SegmentedTTTAttention | FlexTTTAttention
