@@ -171,6 +171,8 @@ def extract(args: argparse.Namespace, name: str, **settings: Any) -> dict[str, A
     summary["write_gb_per_s"] = summary["store_bytes"] / summary["extract_seconds"] / 1e9
     log(f"  {summary['tokens_per_second']:,.0f} tok/s, padding {100 * summary['padding_waste']:.2f}%, "
         f"writer busy {100 * summary['writer_busy_fraction']:.0f}%, {summary['write_gb_per_s']:.2f} GB/s written, "
+        f"forwards {100 * summary['compute_busy_fraction']:.1f}% of {summary['extract_seconds']:.1f} s "
+        f"(head {summary['head_seconds']:.2f} s, tail {summary['tail_seconds']:.2f} s), "
         f"{summary['process_seconds']:.0f} s in all")
     return summary
 
@@ -398,6 +400,11 @@ def write_outputs(args: argparse.Namespace, state: dict[str, Any], started: floa
             for name, r in runs.items() if name != "split" and bare_tps
         },
         "writer_busy_fraction": {name: r["writer_busy_fraction"] for name, r in runs.items()},
+        # Where the gap to the bare forward goes: the share of the run spent in forwards, and the
+        # seconds before the first unit's forwards (head) and after the last one's (tail).
+        "compute_busy_fraction": {name: r.get("compute_busy_fraction") for name, r in runs.items()},
+        "head_seconds": {name: r.get("head_seconds") for name, r in runs.items()},
+        "tail_seconds": {name: r.get("tail_seconds") for name, r in runs.items()},
         "write_gb_per_s": {name: r["write_gb_per_s"] for name, r in runs.items()},
         "store_bytes_per_token": {name: r["bytes_per_token"] for name, r in runs.items()},
         "num_tokens": (bare or {}).get("num_tokens"),
@@ -461,15 +468,16 @@ def table(results: dict[str, Any], runs: dict[str, dict[str, Any]]) -> str:
     lines = [
         f"bare forward (no mask, same batches): {bare_tps:,.0f} tok/s; padding {100 * results['padding_fraction']:.2f}%; "
         f"disk {results['disk_gb_per_s']:.2f} GB/s; {results['num_tokens']:,} tokens",
-        "| run | tokens/s | per GPU vs bare | writer busy | written GB/s |",
-        "|---|---:|---:|---:|---:|",
+        "| run | tokens/s | per GPU vs bare | writer busy | written GB/s | forwards busy | head s | tail s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in runs.items():
         gpus = 1 if name == "split" else int(name[-1])
         label = f"{name} (1 actor, {2} GPUs, {r['num_tokens_written']:,} tokens)" if name == "split" else name
         lines.append(
             f"| {label} | {r['tokens_per_second']:,.0f} | {r['tokens_per_second'] / gpus / bare_tps:.3f} | "
-            f"{100 * r['writer_busy_fraction']:.0f}% | {r['write_gb_per_s']:.2f} |"
+            f"{100 * r['writer_busy_fraction']:.0f}% | {r['write_gb_per_s']:.2f} | "
+            f"{100 * r.get('compute_busy_fraction', 0):.1f}% | {r.get('head_seconds', 0):.2f} | {r.get('tail_seconds', 0):.2f} |"
         )
     return "\n".join(lines)
 

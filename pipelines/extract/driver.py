@@ -269,6 +269,8 @@ def _run_units(
         smoothing=0.1,
     )
     start = time.perf_counter()
+    started_at = time.time()
+    forward_span = [float("inf"), 0.0]  # first forward start, last forward end (wall clock)
     units_done = summary.num_units_skipped
     todo_by_index: dict[int, WorkUnit] = {}  # handed out, not yet committed
 
@@ -296,6 +298,9 @@ def _run_units(
         summary.num_padded_tokens += result.num_padded_tokens
         summary.writer_busy_seconds += result.write_seconds
         summary.copy_wait_seconds += result.copy_wait_seconds
+        summary.compute_seconds += result.compute_seconds
+        forward_span[0] = min(forward_span[0], result.compute_started_at)
+        forward_span[1] = max(forward_span[1], result.compute_ended_at)
         already_shown = min(shown_uncommitted, result.num_tokens)
         shown_uncommitted -= already_shown
         bar.update(result.num_tokens - already_shown)
@@ -310,6 +315,9 @@ def _run_units(
         executor.run(handed_out(), on_result, on_batch)
     finally:
         summary.extract_seconds = time.perf_counter() - start
+        if forward_span[1]:
+            summary.head_seconds = max(0.0, forward_span[0] - started_at)
+            summary.tail_seconds = max(0.0, time.time() - forward_span[1])
         bar.close()
         executor.close()
 

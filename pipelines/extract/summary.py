@@ -40,6 +40,13 @@ class ExtractionSummary:
     # their time waiting for device-to-host copies.
     writer_busy_seconds: float = 0.0
     copy_wait_seconds: float = 0.0
+    # Where a worker's model was not running forwards (on one host: wall clocks compared):
+    # compute_seconds sums the units' forward spans; head = start to the first unit's forwards
+    # (planning, tokenizing and handing out the first unit); tail = the last unit's forwards to
+    # the end (draining its writer, finishing and committing the last shard).
+    compute_seconds: float = 0.0
+    head_seconds: float = 0.0
+    tail_seconds: float = 0.0
 
     @property
     def num_rejected(self) -> int:
@@ -64,6 +71,12 @@ class ExtractionSummary:
         return self.writer_busy_seconds / span if span else 0.0
 
     @property
+    def compute_busy_fraction(self) -> float:
+        """How much of the run the workers' models spent in units' forwards (1.0: never idle)."""
+        span = self.extract_seconds * max(1, self.num_workers)
+        return self.compute_seconds / span if span else 0.0
+
+    @property
     def tokens_per_second(self) -> float:
         return self.num_tokens_written / self.extract_seconds if self.extract_seconds else 0.0
 
@@ -75,6 +88,7 @@ class ExtractionSummary:
             bytes_per_token=self.bytes_per_token,
             tokens_per_second=self.tokens_per_second,
             writer_busy_fraction=self.writer_busy_fraction,
+            compute_busy_fraction=self.compute_busy_fraction,
         )
         return data
 
@@ -115,5 +129,8 @@ class ExtractionSummary:
             f"wall time        {self.wall_seconds:.1f} s ({self.tokens_per_second:,.0f} tokens/s extracting)",
             f"writer busy      {100 * self.writer_busy_fraction:.0f}% of the run per worker "
             f"({self.num_workers} worker(s))",
+            f"forwards         {100 * self.compute_busy_fraction:.0f}% of the run per worker "
+            f"(first unit after {self.head_seconds:.1f} s, last shard done {self.tail_seconds:.1f} s "
+            "after its forwards)",
         ]
         return "\n".join(lines)

@@ -101,6 +101,10 @@ class UnitResult:
     write_seconds: float  # the writer thread's busy time (encode on CPU, checks, appends)
     rejected: tuple[RejectedSample, ...] = ()
     copy_wait_seconds: float = 0.0  # the writer thread waiting for device-to-host copies
+    # Wall-clock (time.time()) span of the forwards, for the run's timeline: how long the model
+    # waited for its first unit and how long the last shard took to finish after its forwards.
+    compute_started_at: float = 0.0
+    compute_ended_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -264,6 +268,7 @@ class ExtractionWorker:
         failures: list[tuple[int, str]] = []  # (position in the unit, the error) of left-out rows
         with self._compute_lock:
             compute_start = time.perf_counter()
+            compute_started_at = time.time()
             writer = ShardWriter(
                 self.spec.store,
                 unit.shard_id,
@@ -314,6 +319,7 @@ class ExtractionWorker:
                 sink.abort()
                 raise
             compute_seconds = time.perf_counter() - compute_start
+            compute_ended_at = time.time()
         try:
             record = sink.finish()
         except BaseException:
@@ -330,6 +336,8 @@ class ExtractionWorker:
             compute_seconds=compute_seconds,
             write_seconds=sink.write_seconds,
             copy_wait_seconds=sink.wait_seconds,
+            compute_started_at=compute_started_at,
+            compute_ended_at=compute_ended_at,
             rejected=tuple(_rejected_sample(unit, i, error) for i, error in sorted(failures)),
         )
 

@@ -35,6 +35,12 @@ def test_store_equals_plain_forward(fixture: str, request: pytest.FixtureRequest
     summary = run_extraction(recipe)
     assert summary.num_samples == summary.num_samples_written == len(MIXED_RECORDS)
     assert summary.num_units > 1 and summary.num_rejected == 0
+    # The run's timeline: forwards took part of the run, the rest is the head and the tail.
+    assert 0 < summary.compute_seconds <= summary.extract_seconds
+    assert 0 < summary.compute_busy_fraction <= 1
+    assert summary.head_seconds >= 0 and summary.tail_seconds >= 0
+    assert summary.head_seconds + summary.tail_seconds < summary.extract_seconds
+    assert "forwards" in summary.format()
     store = hsstore.open_store(recipe.store)
     assert store.lineage.aux_layer_ids == [0, 2, 4]
     assert store.lineage.target.architecture == ("Qwen3ForCausalLM" if fixture == "tiny_qwen3" else "LlamaForCausalLM")
