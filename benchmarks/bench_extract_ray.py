@@ -365,7 +365,7 @@ def run(args: argparse.Namespace) -> None:
             continue
         attempt(name, lambda name=name, codec=codec, workers=workers: state["runs"].__setitem__(
             name, extract(args, name, codec=codec, workers=workers, gpus_per_worker=one_gpu, limit=None)))
-        if name != "bf16-1":  # kept for the split comparison
+        if name != "bf16-1" or not split:  # bf16-1 is kept for the split comparison
             shutil.rmtree(work / "stores" / name, ignore_errors=True)
     if split:
         attempt("split", lambda: state["runs"].__setitem__(

@@ -1,0 +1,199 @@
+"""Where a worker's per-batch path loses time against a bare forward: the same batches, cumulative
+variants, one process, one GPU.
+
+1. ``bare``: ``model.model(input_ids)``, no mask, nothing else (the benchmark's yardstick);
+2. ``capture``: the worker's HiddenStateCapture (hooks, the valid tokens gathered), features dropped;
+3. ``copy``: plus encoding on the device and the device-to-host copies into the pinned pool on the
+   side stream (a thread waits for each copy and frees the buffers; nothing is written);
+4. ``worker-<codec>``: the ExtractionWorker's whole ``run_unit`` (the shard written to ``--store-dir``),
+   once per codec;
+5. ``worker-bf16-shm``: the same to /dev/shm (no disk), when it exists.
+
+Each variant runs every batch after one warm-up unit; tokens/s are the real tokens over the
+variant's wall time (synchronised). ``--profile DIR`` writes a torch.profiler table of two units of
+the bf16 worker.
+
+
+    python benchmarks/profile_extract_batch.py --shape qwen3-8b --tokens 524288 --out $OUT/profile-extract.json
+    python benchmarks/profile_extract_batch.py --shape small --device cpu --tokens 16384   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+
+from bench_extract import build_model, make_samples  # noqa: E402
+
+from hsstore import FeatureSpec  # noqa: E402
+from hsstore.format.codecs import encode_torch  # noqa: E402
+from pipelines.extract.batching import collate, plan_batches  # noqa: E402
+from pipelines.extract.capture import HiddenStateCapture  # noqa: E402
+from pipelines.extract.plan import plan_units  # noqa: E402
+from pipelines.extract.sink import HostBufferPool, SampleRow  # noqa: E402
+from pipelines.extract.worker import ExtractionWorker, WorkerSpec, WorkUnit  # noqa: E402
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen3-8b", choices=["qwen3-8b", "small"])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tokens", type=int, default=524288)
+    parser.add_argument("--token-budget", type=int, default=32768)
+    parser.add_argument("--unit-tokens", type=int, default=262144)
+    parser.add_argument("--store-dir", default=None)
+    parser.add_argument("--profile", default=None)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    model = build_model(args.shape, torch.bfloat16, device)
+    layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
+    aux = [2, layers // 2, layers - 3]
+    samples = make_samples(args.tokens + 2 * args.unit_tokens, 1024, 2048, model.config.vocab_size, seed=0)
+    units = [
+        WorkUnit(u.index, tuple(SampleRow(r.sample_id, r.sample_id, r.input_ids, r.loss_mask) for r in u.rows))
+        for u in plan_units(samples, args.unit_tokens, 1 << 30)
+    ]
+    warm, timed = units[:1], units[1:]
+    batches = [(u, b) for u in timed for b in plan_batches([len(r.input_ids) for r in u.rows], args.token_budget, pad_to_multiple_of=8)]
+    num_tokens = sum(b.num_tokens for _, b in batches)
+    capture = HiddenStateCapture(model, aux, pass_attention_mask=False)
+
+    def features_of(codec: str) -> tuple[FeatureSpec, ...]:
+        return (FeatureSpec(name="aux_hidden_states", shape=(len(aux), hidden), codec=codec),
+                FeatureSpec(name="final_hidden_state", shape=(hidden,), codec=codec))
+
+    @torch.inference_mode()
+    def bare(items: list[Any]) -> None:
+        for unit, batch in items:
+            ids, _ = collate([r.input_ids for r in unit.rows], batch, 0)
+            model.model(input_ids=to_device(ids, device), use_cache=False)
+
+    @torch.inference_mode()
+    def captured(items: list[Any], copy: bool) -> None:
+        pool = HostBufferPool(features_of("bf16"), args.token_budget, 5, pin=device.type == "cuda")
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        done_q: queue.Queue[Any] = queue.Queue(maxsize=3)
+
+        def drain() -> None:
+            while (item := done_q.get()) is not None:
+                event, buffers = item
+                if event is not None:
+                    event.synchronize()
+                pool.release(buffers)
+
+        thread = threading.Thread(target=drain)
+        thread.start()
+        for unit, batch in items:
+            ids, mask = collate([r.input_ids for r in unit.rows], batch, 0)
+            valid = to_device(np.flatnonzero(mask.reshape(-1)), device)
+            feats = capture(to_device(ids, device), to_device(mask, device), valid)
+            if not copy:
+                continue
+            encoded: dict[str, torch.Tensor] = {}
+            for spec in features_of("bf16"):
+                encoded.update(encode_torch(spec, feats[spec.name]))
+            buffers = pool.acquire(batch.num_tokens)
+            event = None
+            if stream is not None:
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):
+                    stream.wait_event(ready)
+                    for name, bits in encoded.items():
+                        buffers[name][: batch.num_tokens].copy_(bits, non_blocking=True)
+                        bits.record_stream(stream)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+            done_q.put((event, buffers))
+        done_q.put(None)
+        thread.join()
+
+    def worker_run(items_units: list[WorkUnit], codec: str, store_dir: str | None) -> Any:
+        root = Path(tempfile.mkdtemp(prefix="profile-extract-", dir=store_dir))
+        spec = WorkerSpec(target="bench", store=str(root / "store"), features=features_of(codec), aux_layer_ids=tuple(aux),
+                          device=str(device), token_budget=args.token_budget, pass_attention_mask=False)
+        worker = ExtractionWorker(spec, model=model)
+        try:
+            results = [worker.run_unit(u) for u in items_units]
+        finally:
+            worker.close()
+            shutil.rmtree(root, ignore_errors=True)
+        return results
+
+    variants: dict[str, Any] = {
+        "bare": lambda: bare(batches),
+        "capture": lambda: captured(batches, copy=False),
+        "copy": lambda: captured(batches, copy=True),
+        "worker-bf16": lambda: worker_run(timed, "bf16", args.store_dir),
+        "worker-fp8_e4m3": lambda: worker_run(timed, "fp8_e4m3", args.store_dir),
+    }
+    store_bytes = 2 * num_tokens * (len(aux) + 1) * hidden * 2  # a bf16 store, with room to spare
+    if Path("/dev/shm").is_dir() and shutil.disk_usage("/dev/shm").free > store_bytes:
+        variants["worker-bf16-shm"] = lambda: worker_run(timed, "bf16", "/dev/shm")
+    warm_batches = [(u, b) for u in warm for b in plan_batches([len(r.input_ids) for r in u.rows], args.token_budget, pad_to_multiple_of=8)]
+    bare(warm_batches)
+    captured(warm_batches, copy=True)
+    worker_run(warm, "bf16", args.store_dir)
+    rows: dict[str, Any] = {}
+    for name, run in [*variants.items(), ("bare-again", variants["bare"])]:
+        sync(device)
+        start = time.perf_counter()
+        results = run()
+        sync(device)
+        seconds = time.perf_counter() - start
+        rows[name] = {"seconds": round(seconds, 3), "tokens_per_s": round(num_tokens / seconds)}
+        if isinstance(results, list):
+            rows[name]["compute_seconds"] = round(sum(r.compute_seconds for r in results), 3)
+            rows[name]["writer_busy_seconds"] = round(sum(r.write_seconds for r in results), 3)
+            rows[name]["copy_wait_seconds"] = round(sum(r.copy_wait_seconds for r in results), 3)
+        print(name, json.dumps(rows[name]), flush=True)
+    reference = (rows["bare"]["tokens_per_s"] + rows["bare-again"]["tokens_per_s"]) / 2
+    for row in rows.values():
+        row["vs_bare"] = round(row["tokens_per_s"] / reference, 4)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            worker_run(timed[:2], "bf16", args.store_dir)
+            sync(device)
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+        sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=60)
+        (Path(args.profile) / "profile-extract-worker.txt").write_text(table)
+    out = {"shape": args.shape, "num_tokens": num_tokens, "num_batches": len(batches), "variants": rows,
+           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__}
+    print(json.dumps(out, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
