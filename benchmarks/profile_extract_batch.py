@@ -38,7 +38,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
-from bench_extract import build_model, make_samples  # noqa: E402
+from bench_extract import build_model, make_samples, to_device  # noqa: E402
+from bench_extract import synchronize as sync  # noqa: E402
 
 from hsstore import FeatureSpec  # noqa: E402
 from hsstore.format.codecs import encode_torch  # noqa: E402
@@ -47,16 +48,6 @@ from pipelines.extract.capture import HiddenStateCapture  # noqa: E402
 from pipelines.extract.plan import plan_units  # noqa: E402
 from pipelines.extract.sink import HostBufferPool, SampleRow  # noqa: E402
 from pipelines.extract.worker import ExtractionWorker, WorkerSpec, WorkUnit  # noqa: E402
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    tensor = torch.from_numpy(array)
-    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor
 
 
 def main() -> int:
