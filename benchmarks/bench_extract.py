@@ -218,6 +218,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> di
             "feature_bytes_per_token": sum(f.raw_bytes_per_token for f in features),
             "write_gb_per_s": store_bytes / extract_s / 1e9,
             "writer_busy_fraction": sum(r.write_seconds for r in results) / extract_s,
+            "compute_seconds": sum(r.compute_seconds for r in results),
+            "pool_wait_seconds": sum(r.pool_wait_seconds for r in results),
         }
     finally:
         worker.close()

@@ -172,7 +172,8 @@ def extract(args: argparse.Namespace, name: str, **settings: Any) -> dict[str, A
     log(f"  {summary['tokens_per_second']:,.0f} tok/s, padding {100 * summary['padding_waste']:.2f}%, "
         f"writer busy {100 * summary['writer_busy_fraction']:.0f}%, {summary['write_gb_per_s']:.2f} GB/s written, "
         f"forwards {100 * summary['compute_busy_fraction']:.1f}% of {summary['extract_seconds']:.1f} s "
-        f"(head {summary['head_seconds']:.2f} s, tail {summary['tail_seconds']:.2f} s), "
+        f"(head {summary['head_seconds']:.2f} s, tail {summary['tail_seconds']:.2f} s, "
+        f"waiting for host buffers {summary['pool_wait_seconds']:.2f} s), "
         f"{summary['process_seconds']:.0f} s in all")
     return summary
 

@@ -299,6 +299,7 @@ def _run_units(
         summary.writer_busy_seconds += result.write_seconds
         summary.copy_wait_seconds += result.copy_wait_seconds
         summary.compute_seconds += result.compute_seconds
+        summary.pool_wait_seconds += result.pool_wait_seconds
         forward_span[0] = min(forward_span[0], result.compute_started_at)
         forward_span[1] = max(forward_span[1], result.compute_ended_at)
         already_shown = min(shown_uncommitted, result.num_tokens)

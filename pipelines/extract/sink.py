@@ -145,6 +145,9 @@ class ShardSink:
         self._thread.start()
         self.write_seconds = 0.0  # busy: encoding (CPU), checks, appends
         self.wait_seconds = 0.0  # waiting for a batch's device-to-host copy
+        # The forwards' thread waiting for a free set of host buffers: back-pressure from the
+        # writer (every set queued or being written), time the GPU may run dry.
+        self.pool_wait_seconds = 0.0
 
     def submit(self, rows: Sequence[SampleRow], features: dict[str, torch.Tensor]) -> None:
         """Queue one batch: ``rows`` in packed order, ``features[name]`` ``[sum(T_i), ...]``."""
@@ -158,7 +161,9 @@ class ShardSink:
         encoded: dict[str, torch.Tensor] = {}
         for spec in self.features:
             encoded.update(encode_torch(spec, features[spec.name]))
+        waited = time.perf_counter()
         buffers = self.pool.acquire(num_tokens, self._raise_if_failed)
+        self.pool_wait_seconds += time.perf_counter() - waited
         try:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))

@@ -45,6 +45,7 @@ class ExtractionSummary:
     # (planning, tokenizing and handing out the first unit); tail = the last unit's forwards to
     # the end (draining its writer, finishing and committing the last shard).
     compute_seconds: float = 0.0
+    pool_wait_seconds: float = 0.0  # of compute_seconds: waiting for free host buffers (writer back-pressure)
     head_seconds: float = 0.0
     tail_seconds: float = 0.0
 

@@ -101,6 +101,7 @@ class UnitResult:
     write_seconds: float  # the writer thread's busy time (encode on CPU, checks, appends)
     rejected: tuple[RejectedSample, ...] = ()
     copy_wait_seconds: float = 0.0  # the writer thread waiting for device-to-host copies
+    pool_wait_seconds: float = 0.0  # the forwards waiting for free host buffers (back-pressure)
     # Wall-clock (time.time()) span of the forwards, for the run's timeline: how long the model
     # waited for its first unit and how long the last shard took to finish after its forwards.
     compute_started_at: float = 0.0
@@ -336,6 +337,7 @@ class ExtractionWorker:
             compute_seconds=compute_seconds,
             write_seconds=sink.write_seconds,
             copy_wait_seconds=sink.wait_seconds,
+            pool_wait_seconds=sink.pool_wait_seconds,
             compute_started_at=compute_started_at,
             compute_ended_at=compute_ended_at,
             rejected=tuple(_rejected_sample(unit, i, error) for i, error in sorted(failures)),
