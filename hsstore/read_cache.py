@@ -27,6 +27,7 @@ from collections import OrderedDict
 from typing import Any
 
 import google_crc32c
+import numpy as np
 
 CRC_BYTES = 4
 
@@ -92,18 +93,58 @@ class ReadCache:
                 data = _checked(handle.read())
         except OSError:
             data = None
+        self._count(key, known, None if data is None else len(data))
+        return data
+
+    def read_into(self, key: str, parts: list[Any]) -> bool:
+        """Scatter the entry over ``parts`` (writable buffers whose sizes add up to the entry's):
+        True on a hit. On disk the entry is read straight into them (one ``preadv``, as a local
+        store reads its chunks) and its crc32c checked over them, so a hit copies nothing more;
+        a miss, or an entry that fails its check, leaves ``parts`` to be overwritten by a fetch."""
+        nbytes = sum(memoryview(part).nbytes for part in parts)
         with self._lock:
-            if data is None:
+            known = key in self._entries
+            if known:
+                self._entries.move_to_end(key)
+            if self.directory is None:
+                data = self._memory.get(key)
+                self.hits += data is not None
+                self.misses += data is None
+        if self.directory is None:
+            if data is None or len(data) != nbytes:
+                return False
+            view, at = memoryview(data), 0
+            for part in parts:
+                size = memoryview(part).nbytes
+                memoryview(part).cast("B")[:] = view[at : at + size]
+                at += size
+            return True
+        stored = bytearray(CRC_BYTES)
+        try:
+            fd = os.open(os.path.join(self.directory, key), os.O_RDONLY)
+            try:
+                got = os.preadv(fd, [*parts, stored], 0)
+            finally:
+                os.close(fd)
+        except OSError:
+            got = -1
+        ok = got == nbytes + CRC_BYTES and _crc_of_parts(parts) == bytes(stored)
+        self._count(key, known, nbytes if ok else None)
+        return ok
+
+    def _count(self, key: str, known: bool, size: int | None) -> None:
+        """Book a disk hit (``size``: the entry's data bytes) or a miss (None)."""
+        with self._lock:
+            if size is None:
                 self.misses += 1
                 if known:  # evicted by another process sharing the folder
                     self._bytes -= self._entries.pop(key, 0)
             else:
                 self.hits += 1
                 if not known:  # written by another process sharing the folder
-                    self._entries[key] = len(data) + CRC_BYTES
-                    self._bytes += len(data) + CRC_BYTES
+                    self._entries[key] = size + CRC_BYTES
+                    self._bytes += size + CRC_BYTES
                     self._evict()
-        return data
 
     def put(self, key: str, data: bytes | memoryview) -> None:
         size = len(data) + (CRC_BYTES if self.directory is not None else 0)  # what it takes on disk
@@ -144,7 +185,16 @@ class ReadCache:
 
 
 def _crc(data: bytes | memoryview) -> bytes:
-    return int(google_crc32c.value(bytes(data))).to_bytes(CRC_BYTES, "little")
+    return _crc_of_parts([data])
+
+
+def _crc_of_parts(parts: list[Any]) -> bytes:
+    """crc32c of the parts' bytes one after another, without copying them (google_crc32c takes
+    read-only buffers only, so each part goes in as a numpy view)."""
+    crc = 0
+    for part in parts:
+        crc = google_crc32c.extend(crc, np.frombuffer(part, dtype=np.uint8))
+    return int(crc).to_bytes(CRC_BYTES, "little")
 
 
 def _checked(entry: bytes) -> bytes | None:

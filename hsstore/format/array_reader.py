@@ -79,15 +79,20 @@ class ArrayReader:
     def _path(self, zarr_shard: int) -> str:
         return self.location.path(self._relative(zarr_shard))
 
-    def _fetch(self, zarr_shard: int, offset: int, nbytes: int) -> bytes:
-        """One ranged GET of a remote file (through the cache when there is one)."""
+    def _fetch(self, zarr_shard: int, offset: int, nbytes: int, into: list[Any] | None = None) -> bytes | None:
+        """One ranged GET of a remote file (through the cache when there is one). None: a cache
+        hit was read straight into ``into``."""
         entry = self.files.get(self._relative(zarr_shard))
         key = None
         if self.cache is not None and entry is not None:
             key = self.cache.key(entry[1], offset, nbytes)
-            cached = self.cache.get(key)
-            if cached is not None and len(cached) == nbytes:
-                return cached
+            if into is not None:
+                if self.cache.read_into(key, into):
+                    return None
+            else:
+                cached = self.cache.get(key)
+                if cached is not None and len(cached) == nbytes:
+                    return cached
         data = bytes(self.location.fs.cat_file(self._path(zarr_shard), start=offset, end=offset + nbytes))
         if key is not None and self.cache is not None and len(data) == nbytes:
             self.cache.put(key, data)
@@ -110,9 +115,9 @@ class ArrayReader:
             finally:
                 os.close(fd)
         else:
-            data = self._fetch(shard, offset, nbytes)
-            got = len(data)
-            if into is not None:
+            data = self._fetch(shard, offset, nbytes, into)
+            got = nbytes if data is None else len(data)
+            if into is not None and data is not None:
                 view, at = memoryview(data), 0
                 for part in into:
                     part[:] = view[at : at + len(part)]

@@ -238,3 +238,23 @@ def test_read_cache_in_memory_and_refuses_a_bad_bound() -> None:
     assert cache.get("big") is None and cache.get("k") is not None
     with pytest.raises(ValueError, match="max_bytes must be positive"):
         ReadCache(None, max_bytes=0)
+
+
+@pytest.mark.parametrize("on_disk", [True, False])
+def test_read_cache_reads_a_hit_straight_into_buffers_and_checks_it(tmp_path: Path, on_disk: bool) -> None:
+    cache = ReadCache(tmp_path if on_disk else None, max_bytes=1 << 20)
+    data = np.arange(1000, dtype=np.uint16).tobytes()
+    key = ReadCache.key("file-sha", 0, len(data))
+    cache.put(key, data)
+    parts = [np.zeros(300, np.uint16), np.zeros(700, np.uint16)]
+    assert cache.read_into(key, parts)
+    assert np.concatenate(parts).tolist() == list(range(1000))
+    assert not cache.read_into(ReadCache.key("other"), [np.zeros(4, np.uint8)])  # a miss
+    assert not cache.read_into(key, [np.zeros(10, np.uint8)])  # another size: a miss, not a short read
+    if on_disk:  # a flipped bit: a miss (refetched), never wrong bytes
+        entry = tmp_path / key
+        damaged = bytearray(entry.read_bytes())
+        damaged[5] ^= 0x10
+        entry.write_bytes(bytes(damaged))
+        assert not cache.read_into(key, [np.zeros(300, np.uint16), np.zeros(700, np.uint16)])
+        assert cache.get(key) is None
