@@ -78,16 +78,24 @@ class ReadCache:
         """A file-name-safe key from its parts (e.g. a file's sha256 and a byte range)."""
         return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()[:40] + ".bin"
 
-    def get(self, key: str) -> bytes | None:
+    def _touch(self, key: str) -> tuple[bool, bytes | None]:
+        """Mark ``key`` as just used: (whether this process knows it, and for an in-memory cache
+        its bytes, the hit or miss counted)."""
         with self._lock:
             known = key in self._entries
             if known:
                 self._entries.move_to_end(key)
-            if self.directory is None:
-                data = self._memory.get(key)
-                self.hits += data is not None
-                self.misses += data is None
-                return data
+            if self.directory is not None:
+                return known, None
+            data = self._memory.get(key)
+            self.hits += data is not None
+            self.misses += data is None
+            return known, data
+
+    def get(self, key: str) -> bytes | None:
+        known, data = self._touch(key)
+        if self.directory is None:
+            return data
         try:
             with open(os.path.join(self.directory, key), "rb") as handle:
                 data = _checked(handle.read())
@@ -102,14 +110,7 @@ class ReadCache:
         store reads its chunks) and its crc32c checked over them, so a hit copies nothing more;
         a miss, or an entry that fails its check, leaves ``parts`` to be overwritten by a fetch."""
         nbytes = sum(memoryview(part).nbytes for part in parts)
-        with self._lock:
-            known = key in self._entries
-            if known:
-                self._entries.move_to_end(key)
-            if self.directory is None:
-                data = self._memory.get(key)
-                self.hits += data is not None
-                self.misses += data is None
+        known, data = self._touch(key)
         if self.directory is None:
             if data is None or len(data) != nbytes:
                 return False
