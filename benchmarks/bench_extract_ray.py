@@ -361,14 +361,19 @@ def run(args: argparse.Namespace) -> None:
 
     attempt("bare", lambda: state.update(bare=step(args, "bare")))
     plan = [("bf16-1", "bf16", 1), ("fp8-1", "fp8_e4m3", 1), ("bf16-2", "bf16", 2), ("fp8-2", "fp8_e4m3", 2)]
+    wanted = set(args.runs.split(","))
     for name, codec, workers in plan:
-        if workers > args.gpus:
+        if workers > args.gpus or name not in wanted:
             continue
         attempt(name, lambda name=name, codec=codec, workers=workers: state["runs"].__setitem__(
             name, extract(args, name, codec=codec, workers=workers, gpus_per_worker=one_gpu, limit=None)))
-        if name != "bf16-1" or not split:  # bf16-1 is kept for the split comparison
-            shutil.rmtree(work / "stores" / name, ignore_errors=True)
-    if split:
+        # bf16-1 is kept for the split comparison, if the disk holds it next to the next store
+        # (an fp8 store is half its size; the split run's is small).
+        store = work / "stores" / name
+        keep = name == "bf16-1" and split and store_bytes(store) // 2 + (8 << 30) < shutil.disk_usage(work).free
+        if not keep:
+            shutil.rmtree(store, ignore_errors=True)
+    if split and "split" in wanted:
         attempt("split", lambda: state["runs"].__setitem__(
             "split", extract(args, "split", codec="bf16", workers=1, gpus_per_worker=args.split_gpus, limit=args.split_records)))
         if "split" in state["runs"]:
@@ -377,6 +382,10 @@ def run(args: argparse.Namespace) -> None:
     write_outputs(args, state, started)
     if state["bare"] is not None and state["runs"]:
         print(table(json.loads((out / "extract-h200.json").read_text()), state["runs"]))
+
+
+def store_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.exists() else 0
 
 
 def write_outputs(args: argparse.Namespace, state: dict[str, Any], started: float) -> None:
@@ -505,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--disk-gib", type=float, default=4.0)
     parser.add_argument("--planning-workers", type=int, default=4, help="planning.num_workers of each run")
     parser.add_argument("--deadline-s", type=float, default=400, help="start no step after this many seconds")
+    parser.add_argument("--runs", default="bf16-1,fp8-1,bf16-2,fp8-2,split",
+                        help="which extraction runs (a long run splits over two device calls, the bare forward runs in each)")
     args = parser.parse_args(argv)
     {"run": run, "prepare": prepare, "bare": bare, "compare": compare}[args.command](args)
     return 0

@@ -54,6 +54,11 @@ extract-ray)
   # shape split over 2 GPUs by one actor; writes $OUT/extract-h200.json and $OUT/split-target.json.
   # EXTRACT_RAY_ARGS="--tokens 800000" shortens it (default 1.2M tokens; ~7 min on 2 H200s, no
   # step starts after 400 s of benchmark; the JSON is rewritten after each step).
+  # The 2.4M tokens take two calls (each prepares and runs the bare forward again), with
+  # units small enough that 2 actors get nearly equal shares (37 units of 65,536 tokens, not 10):
+  #   EXTRACT_RAY_ARGS="--tokens 2400000 --unit-tokens 65536 --runs bf16-1,fp8-1 --deadline-s 420"
+  #   EXTRACT_RAY_ARGS="--tokens 2400000 --unit-tokens 65536 --runs bf16-2,fp8-2,split --deadline-s 420"
+  # (nvidia-h200 has a 64 GiB disk: a bf16 store of 2.4M tokens at H=4096 is 79 GB; use <= 1.3M there.)
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c 'import torch, transformers, sys; print(sys.version.split()[0], torch.__version__, transformers.__version__)'; nproc; df -h /tmp | tail -n 1; } | tee "$OUT/machine.txt"
   python3 benchmarks/bench_extract_ray.py run --out "$OUT" --work /tmp/hsstore-work/extract-ray ${EXTRACT_RAY_ARGS:-} 2>&1 | tail -n 40
   # The GPU-marked tests of this work (GPU fp8 encode == CPU bits, the pinned pool, a 2-GPU split).
