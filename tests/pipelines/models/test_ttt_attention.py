@@ -26,6 +26,7 @@ CASES = [
     ([[260, 40], [128, 128, 44]], 64, 3),
     ([[37]], None, 2),  # shorter than one block
     ([[200, 100]], 150, 3),
+    ([[100, 50], [40]], None, 3),  # a shorter row: its padding is one more run
 ]
 
 
