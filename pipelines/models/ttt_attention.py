@@ -35,7 +35,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
 BLOCK = 128  # flex_attention's default block size; rows are padded to a multiple of it
 
 
