@@ -369,10 +369,10 @@ def run(args: argparse.Namespace) -> None:
             name, extract(args, name, codec=codec, workers=workers, gpus_per_worker=one_gpu, limit=None)))
         # bf16-1 is kept for the split comparison, if the disk holds it next to the next store
         # (an fp8 store is half its size; the split run's is small).
-        store = work / "stores" / name
-        keep = name == "bf16-1" and split and store_bytes(store) // 2 + (8 << 30) < shutil.disk_usage(work).free
+        written = state["runs"].get(name, {}).get("store_bytes", 0)  # the manifest's count
+        keep = name == "bf16-1" and split and written and written // 2 + (8 << 30) < shutil.disk_usage(work).free
         if not keep:
-            shutil.rmtree(store, ignore_errors=True)
+            shutil.rmtree(work / "stores" / name, ignore_errors=True)
     if split and "split" in wanted:
         attempt("split", lambda: state["runs"].__setitem__(
             "split", extract(args, "split", codec="bf16", workers=1, gpus_per_worker=args.split_gpus, limit=args.split_records)))
@@ -382,10 +382,6 @@ def run(args: argparse.Namespace) -> None:
     write_outputs(args, state, started)
     if state["bare"] is not None and state["runs"]:
         print(table(json.loads((out / "extract-h200.json").read_text()), state["runs"]))
-
-
-def store_bytes(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.exists() else 0
 
 
 def write_outputs(args: argparse.Namespace, state: dict[str, Any], started: float) -> None:

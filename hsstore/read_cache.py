@@ -114,11 +114,7 @@ class ReadCache:
         if self.directory is None:
             if data is None or len(data) != nbytes:
                 return False
-            view, at = memoryview(data), 0
-            for part in parts:
-                size = memoryview(part).nbytes
-                memoryview(part).cast("B")[:] = view[at : at + size]
-                at += size
+            scatter(data, parts)
             return True
         stored = bytearray(CRC_BYTES)
         try:
@@ -185,6 +181,15 @@ class ReadCache:
                     os.unlink(os.path.join(self.directory, name))
 
 
+def scatter(data: bytes | memoryview, parts: list[Any]) -> None:
+    """Copy ``data`` over the writable buffers ``parts``, one after another."""
+    view, at = memoryview(data).cast("B"), 0
+    for part in parts:
+        target = memoryview(part).cast("B")
+        target[:] = view[at : at + target.nbytes]
+        at += target.nbytes
+
+
 def _crc(data: bytes | memoryview) -> bytes:
     return _crc_of_parts([data])
 
@@ -206,4 +211,4 @@ def _checked(entry: bytes) -> bytes | None:
     return data if _crc(data) == entry[-CRC_BYTES:] else None
 
 
-__all__ = ["ReadCache"]
+__all__ = ["ReadCache", "scatter"]

@@ -26,7 +26,7 @@ import numpy as np
 from hsstore.errors import ShardCorruptError
 from hsstore.format.chunk_layout import CRC_BYTES, MISSING, ChunkLayout
 from hsstore.location import StoreLocation
-from hsstore.read_cache import ReadCache
+from hsstore.read_cache import ReadCache, scatter
 
 # preadv takes at most IOV_MAX (1024 on Linux) buffers; a chunk needs up to four.
 MAX_CHUNKS_PER_PREADV = 250
@@ -118,10 +118,7 @@ class ArrayReader:
             data = self._fetch(shard, offset, nbytes, into)
             got = nbytes if data is None else len(data)
             if into is not None and data is not None:
-                view, at = memoryview(data), 0
-                for part in into:
-                    part[:] = view[at : at + len(part)]
-                    at += len(part)
+                scatter(data, into)
                 data = None
         if got != nbytes:
             raise self._corrupt(shard, f"{got} bytes at offset {offset}, expected {nbytes} (truncated?)")

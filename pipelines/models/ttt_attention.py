@@ -29,6 +29,7 @@ kernel serves all depths.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -149,25 +150,20 @@ class SegmentedTTTAttention(_KeysByDepth):
         self, doc_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, sliding_window: int | None
     ) -> None:
         super().__init__()
+        self.doc_ids = doc_ids_BT
         self.position_ids = position_ids_BT
         self.window = sliding_window
-        runs = run_ids(doc_ids_BT)
-        starts = torch.ones_like(runs, dtype=torch.bool)
-        starts[:, 1:] = runs[:, 1:] != runs[:, :-1]
-        T = doc_ids_BT.shape[1]
         self.segments: list[list[tuple[int, int]]] = []
-        for row in starts.cpu():
-            bounds = [*row.nonzero().flatten().tolist(), T]
-            self.segments.append(list(zip(bounds[:-1], bounds[1:], strict=True)))
+        for runs in run_ids(doc_ids_BT).cpu():  # runs are numbered 0, 1, ... along the row
+            bounds = [0, *itertools.accumulate(torch.bincount(runs).tolist())]
+            self.segments.append(list(itertools.pairwise(bounds)))
 
     def _segment_mask(self, b: int, start: int, end: int, depth: int) -> torch.Tensor | None:
-        """Causal (None) or causal and windowed by RoPE distance, [1, L, L]."""
+        """Causal (None) or the reference's mask of the run (causal, windowed), [1, L, L]."""
         if self.window is None:
             return None
-        pos = self.position_ids[b, start:end]
-        L = end - start
-        causal = torch.ones(L, L, dtype=torch.bool, device=pos.device).tril()
-        return (causal & (pos[:, None] + depth - pos[None, :] < self.window))[None]
+        cut = (slice(b, b + 1), slice(start, end))
+        return ttt_base_mask(self.doc_ids[cut], self.position_ids[cut], depth, self.window)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, depth: int) -> torch.Tensor:
         """q [B, heads, T, D], k/v [B, kv_heads, T, D] (RoPE applied) -> [B, heads, T, D]."""
