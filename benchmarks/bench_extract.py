@@ -27,6 +27,7 @@ Prints a markdown table; ``--out`` gets the numbers as JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import statistics
@@ -109,7 +110,70 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor
 
 
-def bare_forward_seconds(model: torch.nn.Module, units: list[Any], spec: WorkerSpec, device: torch.device) -> float:
+class ForwardTimeline:
+    """CUDA events around each forward, to tell a slower GPU from a starved one.
+
+    Per forward: its GPU time (start to end event on the compute stream) and the GPU's idle gap
+    before it (the previous forward's end to this one's start: encoding, input copies, and any
+    time the GPU waited for the host to launch). Recording events costs nothing measurable and
+    never synchronises; the times are read once, after the pass.
+    """
+
+    def __init__(self) -> None:
+        self.events: list[tuple[Any, Any]] = []
+
+    def wrap(self, forward: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = forward(*args, **kwargs)
+            end.record()
+            self.events.append((start, end))
+            return out
+
+        return timed
+
+    def summary(self) -> dict[str, Any]:
+        torch.cuda.synchronize()
+        seconds = [start.elapsed_time(end) / 1e3 for start, end in self.events]
+        gaps = [prev[1].elapsed_time(cur[0]) / 1e3 for prev, cur in zip(self.events, self.events[1:], strict=False)]
+        span = self.events[0][0].elapsed_time(self.events[-1][1]) / 1e3 if self.events else 0.0
+        return {"forward_seconds": seconds, "gap_seconds": gaps, "gpu_span_seconds": span,
+                "forward_total_seconds": sum(seconds), "gap_total_seconds": sum(gaps)}
+
+
+class GpuSampler:
+    """``nvidia-smi`` sampling the SM clock and power every 100 ms while a variant runs (a power-
+    capped GPU lowers its clock when it does more at once: that shows here, not in a profile)."""
+
+    def __init__(self) -> None:
+        import subprocess
+
+        self._proc = None
+        with contextlib.suppress(OSError):
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "100"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            )
+
+    def stop(self) -> dict[str, Any]:
+        if self._proc is None:
+            return {}
+        self._proc.terminate()
+        out, _ = self._proc.communicate(timeout=10)
+        clocks, power = [], []
+        for line in out.splitlines():
+            with contextlib.suppress(ValueError):
+                clock, watts = (float(x) for x in line.split(",")[:2])
+                clocks.append(clock)
+                power.append(watts)
+        if not clocks:
+            return {}
+        return {"sm_clock_mhz_median": statistics.median(clocks), "power_w_median": statistics.median(power),
+                "samples": len(clocks)}
+
+
+def bare_forward_seconds(model: torch.nn.Module, units: list[Any], spec: WorkerSpec, device: torch.device, timeline: ForwardTimeline | None = None) -> float:
     """The same batches through ``model.model`` with nothing else.
 
     Run on a worker thread, as the extraction's forwards are (LocalExecutor's pool): on a loaded
@@ -119,18 +183,19 @@ def bare_forward_seconds(model: torch.nn.Module, units: list[Any], spec: WorkerS
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(_bare_pass, model, units, spec, device).result()
+        return pool.submit(_bare_pass, model, units, spec, device, timeline).result()
 
 
 @torch.inference_mode()
-def _bare_pass(model: torch.nn.Module, units: list[Any], spec: WorkerSpec, device: torch.device) -> float:
+def _bare_pass(model: torch.nn.Module, units: list[Any], spec: WorkerSpec, device: torch.device, timeline: ForwardTimeline | None) -> float:
+    forward = timeline.wrap(model.model) if timeline is not None else model.model
     synchronize(device)
     start = time.perf_counter()
     for unit in units:
         token_ids = [row.input_ids for row in unit.rows]
         for batch in plan_batches([len(t) for t in token_ids], spec.token_budget, max_batch_size=spec.max_batch_size, pad_to_multiple_of=spec.pad_to_multiple_of):
             input_ids, mask = collate(token_ids, batch, spec.pad_token_id)
-            model.model(
+            forward(
                 input_ids=to_device(input_ids, device),
                 attention_mask=to_device(mask, device) if spec.pass_attention_mask else None,
                 use_cache=False,
@@ -139,9 +204,12 @@ def _bare_pass(model: torch.nn.Module, units: list[Any], spec: WorkerSpec, devic
     return time.perf_counter() - start
 
 
-def extraction_seconds(worker: ExtractionWorker, units: list[Any], spec: WorkerSpec, lineage: Lineage) -> tuple[float, list[Any]]:
+def extraction_seconds(worker: ExtractionWorker, units: list[Any], spec: WorkerSpec, lineage: Lineage, timeline: ForwardTimeline | None = None) -> tuple[float, list[Any]]:
     """The same units through the extraction worker, each shard committed as it finishes."""
     results: list[Any] = []
+    capture = worker.capture
+    if timeline is not None:
+        worker.capture = timeline.wrap(capture)
 
     def commit(result: Any) -> None:
         commit_shards(spec.store, [result.record], features=list(spec.features), lineage=lineage)
@@ -150,9 +218,25 @@ def extraction_seconds(worker: ExtractionWorker, units: list[Any], spec: WorkerS
     synchronize(worker.device)
     start = time.perf_counter()
     executor = LocalExecutor(spec, worker=worker)
-    executor.run(units, commit)
-    synchronize(worker.device)
+    try:
+        executor.run(units, commit)
+        synchronize(worker.device)
+    finally:
+        worker.capture = capture
     return time.perf_counter() - start, results
+
+
+def compare_timelines(bare: dict[str, Any], extract: dict[str, Any]) -> dict[str, Any]:
+    """The two passes' forwards side by side (the same batches in the same order)."""
+    pairs = list(zip(bare["forward_seconds"], extract["forward_seconds"], strict=True))
+    ratios = [e / b for b, e in pairs if b > 0]
+    return {
+        "bare": bare,
+        "extract": extract,
+        "forward_ratio_median": statistics.median(ratios) if ratios else None,
+        "forward_ratio_total": extract["forward_total_seconds"] / bare["forward_total_seconds"] if bare["forward_total_seconds"] else None,
+        "gap_extra_seconds": extract["gap_total_seconds"] - bare["gap_total_seconds"],
+    }
 
 
 def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -186,12 +270,26 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> di
         bare_forward_seconds(model, warmup, spec, device)
         warm_spec_units = [type(u)(index=900000 + u.index, rows=u.rows) for u in warmup]
         extraction_seconds(worker, warm_spec_units, spec, lineage)
-        bare_runs, extract_runs, results = [], [], []
-        for _ in range(args.repeats):
-            bare_runs.append(bare_forward_seconds(model, units, spec, device))
-            shutil.rmtree(spec.store, ignore_errors=True)
-            seconds, results = extraction_seconds(worker, units, spec, lineage)
-            extract_runs.append(seconds)
+        bare_runs, extract_runs, results, timelines, clocks = [], [], [], [], []
+        timed = args.gpu_timeline and device.type == "cuda"  # CUDA events: nothing to time on the CPU
+        for repeat in range(args.repeats):
+            bare_timeline = ForwardTimeline() if timed else None
+            extract_timeline = ForwardTimeline() if timed else None
+
+            # ABBA order (bare, extract; extract, bare; ...): a drift of the GPU's speed over the
+            # run (clocks under the power cap move by a few %) falls on both sides alike.
+            for side in ("bare", "extract") if repeat % 2 == 0 else ("extract", "bare"):
+                sampler = GpuSampler() if timed else None
+                if side == "bare":
+                    bare_runs.append(bare_forward_seconds(model, units, spec, device, bare_timeline))
+                else:
+                    shutil.rmtree(spec.store, ignore_errors=True)
+                    seconds, results = extraction_seconds(worker, units, spec, lineage, extract_timeline)
+                    extract_runs.append(seconds)
+                if sampler is not None:
+                    clocks.append({"pass": f"{side}-{repeat}", **sampler.stop()})
+            if bare_timeline is not None and extract_timeline is not None:
+                timelines.append(compare_timelines(bare_timeline.summary(), extract_timeline.summary()))
         num_tokens = sum(u.num_tokens for u in units)
         batches = [b for u in units for b in plan_batches([len(r.input_ids) for r in u.rows], spec.token_budget, pad_to_multiple_of=8)]
         store_bytes = sum(r.record.num_bytes for r in results)
@@ -214,6 +312,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> di
             "bare_tokens_per_s": num_tokens / bare_s,
             "extract_tokens_per_s": num_tokens / extract_s,
             "ratio": bare_s / extract_s,
+            "ratio_per_repeat": [b / e for b, e in zip(bare_runs, extract_runs, strict=True)],
             "store_bytes_per_token": store_bytes / num_tokens,
             "feature_bytes_per_token": sum(f.raw_bytes_per_token for f in features),
             "write_gb_per_s": store_bytes / extract_s / 1e9,
@@ -221,6 +320,17 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> di
             "compute_seconds": sum(r.compute_seconds for r in results),
             "pool_wait_seconds": sum(r.pool_wait_seconds for r in results),
         }
+        if timelines:
+            row["gpu_timelines"] = timelines
+            row["gpu_clocks"] = clocks
+            row["batches_per_unit"] = [len(plan_batches([len(r.input_ids) for r in u.rows], spec.token_budget, pad_to_multiple_of=8)) for u in units]
+            for t in timelines:
+                print(
+                    f"  GPU timeline: forwards extract/bare {t['forward_ratio_total']:.4f} (median per batch "
+                    f"{t['forward_ratio_median']:.4f}); idle gaps bare {t['bare']['gap_total_seconds']:.3f} s, "
+                    f"extract {t['extract']['gap_total_seconds']:.3f} s",
+                    file=sys.stderr,
+                )
     finally:
         worker.close()
         shutil.rmtree(store_root, ignore_errors=True)
@@ -257,9 +367,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unit-tokens", type=int, default=262144, help="tokens per work unit (shard), as the recipe default")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--no-attention-mask", action="store_true", help="right padding without a mask (exact; see the recipe docs)")
+    parser.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (seconds): how often threads hand over the GIL (Python's default 0.005)")
+    parser.add_argument("--gpu-timeline", action="store_true", help="CUDA events around each forward: GPU time per forward and idle gaps, bare vs extract")
     parser.add_argument("--store-dir", default=None, help="where the stores go (default: the temp dir); deleted after each model")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     device = torch.device(args.device)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     if device.type != "cuda" and "qwen3-8b" in models:

@@ -5,12 +5,17 @@ variants, one process, one GPU.
 2. ``capture``: the worker's HiddenStateCapture (hooks, the valid tokens gathered), features dropped;
 3. ``copy``: plus encoding on the device and the device-to-host copies into the pinned pool on the
    side stream (a thread waits for each copy and frees the buffers; nothing is written);
+   ``copy-serial``: the same copies on the compute stream, after the forward (nothing overlaps);
 4. ``worker-<codec>``: the ExtractionWorker's whole ``run_unit`` (the shard written to ``--store-dir``),
    once per codec;
 5. ``worker-bf16-shm``: the same to /dev/shm (no disk), when it exists.
 
 Each variant runs every batch after one warm-up unit; tokens/s are the real tokens over the
-variant's wall time (synchronised). ``--profile DIR`` writes a torch.profiler table of two units of
+variant's wall time (synchronised). On CUDA each variant also reports its GPU timeline (CUDA events
+around every forward: the forwards' GPU time and the idle gaps between them; see
+``bench_extract.ForwardTimeline``), the copies' GPU time, and the SM clock and power that
+``nvidia-smi`` sampled while it ran: a forward that takes longer on the GPU with no gaps is slowed
+on the device (contention, clocks), not starved by the host. ``--profile DIR`` writes a torch.profiler table of two units of
 the bf16 worker.
 
 
@@ -38,7 +43,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
-from bench_extract import build_model, make_samples, to_device  # noqa: E402
+from bench_extract import ForwardTimeline, GpuSampler, build_model, make_samples, to_device  # noqa: E402
 from bench_extract import synchronize as sync  # noqa: E402
 
 from hsstore import FeatureSpec  # noqa: E402
@@ -79,14 +84,20 @@ def main() -> int:
         return (FeatureSpec(name="aux_hidden_states", shape=(len(aux), hidden), codec=codec),
                 FeatureSpec(name="final_hidden_state", shape=(hidden,), codec=codec))
 
-    @torch.inference_mode()
-    def bare(items: list[Any]) -> None:
-        for unit, batch in items:
-            ids, _ = collate([r.input_ids for r in unit.rows], batch, 0)
-            model.model(input_ids=to_device(ids, device), use_cache=False)
+    cuda = device.type == "cuda"
+    timeline: ForwardTimeline | None = None  # the running variant's
+    copy_events: list[tuple[Any, Any]] = []
 
     @torch.inference_mode()
-    def captured(items: list[Any], copy: bool) -> None:
+    def bare(items: list[Any]) -> None:
+        forward = timeline.wrap(model.model) if timeline is not None else model.model
+        for unit, batch in items:
+            ids, _ = collate([r.input_ids for r in unit.rows], batch, 0)
+            forward(input_ids=to_device(ids, device), use_cache=False)
+
+    @torch.inference_mode()
+    def captured(items: list[Any], copy: bool, serial: bool = False) -> None:
+        forward = timeline.wrap(capture) if timeline is not None else capture
         pool = HostBufferPool(features_of("bf16"), args.token_budget, 5, pin=device.type == "cuda")
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         done_q: queue.Queue[Any] = queue.Queue(maxsize=3)
@@ -103,7 +114,7 @@ def main() -> int:
         for unit, batch in items:
             ids, mask = collate([r.input_ids for r in unit.rows], batch, 0)
             valid = to_device(np.flatnonzero(mask.reshape(-1)), device)
-            feats = capture(to_device(ids, device), to_device(mask, device), valid)
+            feats = forward(to_device(ids, device), to_device(mask, device), valid)
             if not copy:
                 continue
             encoded: dict[str, torch.Tensor] = {}
@@ -111,16 +122,26 @@ def main() -> int:
                 encoded.update(encode_torch(spec, feats[spec.name]))
             buffers = pool.acquire(batch.num_tokens)
             event = None
-            if stream is not None:
+            if stream is not None and serial:
+                start, event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for name, bits in encoded.items():
+                    buffers[name][: batch.num_tokens].copy_(bits, non_blocking=True)
+                event.record()
+                copy_events.append((start, event))
+            elif stream is not None:
                 ready = torch.cuda.Event()
                 ready.record(torch.cuda.current_stream(device))
                 with torch.cuda.stream(stream):
                     stream.wait_event(ready)
+                    start = torch.cuda.Event(enable_timing=True)
+                    start.record(stream)
                     for name, bits in encoded.items():
                         buffers[name][: batch.num_tokens].copy_(bits, non_blocking=True)
                         bits.record_stream(stream)
-                    event = torch.cuda.Event()
+                    event = torch.cuda.Event(enable_timing=True)
                     event.record(stream)
+                    copy_events.append((start, event))
             done_q.put((event, buffers))
         done_q.put(None)
         thread.join()
@@ -130,9 +151,13 @@ def main() -> int:
         spec = WorkerSpec(target="bench", store=str(root / "store"), features=features_of(codec), aux_layer_ids=tuple(aux),
                           device=str(device), token_budget=args.token_budget, pass_attention_mask=False)
         worker = ExtractionWorker(spec, model=model)
+        own_capture = worker.capture
+        if timeline is not None:
+            worker.capture = timeline.wrap(own_capture)
         try:
             results = [worker.run_unit(u) for u in items_units]
         finally:
+            worker.capture = own_capture
             worker.close()
             shutil.rmtree(root, ignore_errors=True)
         return results
@@ -141,6 +166,7 @@ def main() -> int:
         "bare": lambda: bare(batches),
         "capture": lambda: captured(batches, copy=False),
         "copy": lambda: captured(batches, copy=True),
+        "copy-serial": lambda: captured(batches, copy=True, serial=True),
         "worker-bf16": lambda: worker_run(timed, "bf16", args.store_dir),
         "worker-fp8_e4m3": lambda: worker_run(timed, "fp8_e4m3", args.store_dir),
     }
@@ -153,12 +179,25 @@ def main() -> int:
     worker_run(warm, "bf16", args.store_dir)
     rows: dict[str, Any] = {}
     for name, run in [*variants.items(), ("bare-again", variants["bare"])]:
+        timeline = ForwardTimeline() if cuda else None
+        copy_events.clear()
+        sampler = GpuSampler() if cuda else None
         sync(device)
         start = time.perf_counter()
         results = run()
         sync(device)
         seconds = time.perf_counter() - start
         rows[name] = {"seconds": round(seconds, 3), "tokens_per_s": round(num_tokens / seconds)}
+        if timeline is not None:
+            gpu = timeline.summary()
+            rows[name]["gpu_forward_seconds"] = round(gpu["forward_total_seconds"], 3)
+            rows[name]["gpu_gap_seconds"] = round(gpu["gap_total_seconds"], 4)
+            rows[name]["gpu_forward_each"] = [round(x, 4) for x in gpu["forward_seconds"]]
+        if copy_events:
+            rows[name]["gpu_copy_seconds"] = round(sum(a.elapsed_time(b) for a, b in copy_events) / 1e3, 3)
+        if sampler is not None:
+            rows[name].update(sampler.stop())
+        timeline = None
         if isinstance(results, list):
             rows[name]["compute_seconds"] = round(sum(r.compute_seconds for r in results), 3)
             rows[name]["writer_busy_seconds"] = round(sum(r.write_seconds for r in results), 3)
@@ -167,6 +206,13 @@ def main() -> int:
     reference = (rows["bare"]["tokens_per_s"] + rows["bare-again"]["tokens_per_s"]) / 2
     for row in rows.values():
         row["vs_bare"] = round(row["tokens_per_s"] / reference, 4)
+    if cuda:
+        gpu_reference = (rows["bare"]["gpu_forward_seconds"] + rows["bare-again"]["gpu_forward_seconds"]) / 2
+        for name, row in rows.items():
+            row["gpu_forward_vs_bare"] = round(row["gpu_forward_seconds"] / gpu_reference, 4)
+            print(f"{name:18s} wall {row['vs_bare']:.4f} of bare, GPU forwards {row['gpu_forward_vs_bare']:.4f} x bare's, "
+                  f"gaps {row['gpu_gap_seconds']:.3f} s, copies {row.get('gpu_copy_seconds', 0):.3f} s, "
+                  f"SM {row.get('sm_clock_mhz_median')} MHz, {row.get('power_w_median')} W", flush=True)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
