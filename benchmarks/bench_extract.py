@@ -113,21 +113,32 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 class ForwardTimeline:
     """CUDA events around each forward, to tell a slower GPU from a starved one.
 
-    Per forward: its GPU time (start to end event on the compute stream) and the GPU's idle gap
+    Per forward: its GPU time (start to end event on the compute stream), the GPU's idle gap
     before it (the previous forward's end to this one's start: encoding, input copies, and any
-    time the GPU waited for the host to launch). Recording events costs nothing measurable and
-    never synchronises; the times are read once, after the pass.
+    time the GPU waited for the host to launch), the host's time to launch it (the Python call),
+    and the host's lead (how long after the call began the GPU started it: near zero, the GPU
+    was waiting for the host). Recording events never synchronises; one synchronisation before
+    the first forward pins the GPU's clock to the host's. The times are read after the pass.
     """
 
     def __init__(self) -> None:
         self.events: list[tuple[Any, Any]] = []
+        self.launches: list[tuple[float, float]] = []  # host perf_counter at the call, at its return
+        self._origin: tuple[float, Any] | None = None
 
     def wrap(self, forward: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if self._origin is None:
+                torch.cuda.synchronize()
+                origin = torch.cuda.Event(enable_timing=True)
+                self._origin = (time.perf_counter(), origin)
+                origin.record()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            called = time.perf_counter()
             start.record()
             out = forward(*args, **kwargs)
             end.record()
+            self.launches.append((called, time.perf_counter()))
             self.events.append((start, end))
             return out
 
@@ -138,8 +149,17 @@ class ForwardTimeline:
         seconds = [start.elapsed_time(end) / 1e3 for start, end in self.events]
         gaps = [prev[1].elapsed_time(cur[0]) / 1e3 for prev, cur in zip(self.events, self.events[1:], strict=False)]
         span = self.events[0][0].elapsed_time(self.events[-1][1]) / 1e3 if self.events else 0.0
+        leads, launch = [], []
+        if self._origin is not None:
+            origin_time, origin = self._origin
+            for (called, returned), (start, _) in zip(self.launches, self.events, strict=True):
+                leads.append(origin_time + origin.elapsed_time(start) / 1e3 - called)
+                launch.append(returned - called)
         return {"forward_seconds": seconds, "gap_seconds": gaps, "gpu_span_seconds": span,
-                "forward_total_seconds": sum(seconds), "gap_total_seconds": sum(gaps)}
+                "forward_total_seconds": sum(seconds), "gap_total_seconds": sum(gaps),
+                "host_lead_seconds": leads, "host_launch_seconds": launch,
+                "host_lead_median": statistics.median(leads) if leads else None,
+                "host_launch_median": statistics.median(launch) if launch else None}
 
 
 class GpuSampler:
@@ -328,7 +348,9 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> di
                 print(
                     f"  GPU timeline: forwards extract/bare {t['forward_ratio_total']:.4f} (median per batch "
                     f"{t['forward_ratio_median']:.4f}); idle gaps bare {t['bare']['gap_total_seconds']:.3f} s, "
-                    f"extract {t['extract']['gap_total_seconds']:.3f} s",
+                    f"extract {t['extract']['gap_total_seconds']:.3f} s; host launch per forward (median) bare "
+                    f"{t['bare']['host_launch_median']:.4f} s, extract {t['extract']['host_launch_median']:.4f} s; "
+                    f"host lead (median) bare {t['bare']['host_lead_median']:.3f} s, extract {t['extract']['host_lead_median']:.3f} s",
                     file=sys.stderr,
                 )
     finally:

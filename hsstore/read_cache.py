@@ -26,10 +26,7 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
-import google_crc32c
-import numpy as np
-
-CRC_BYTES = 4
+from hsstore.checksum import CRC_BYTES, crc32c_bytes
 
 
 class ReadCache:
@@ -195,12 +192,8 @@ def _crc(data: bytes | memoryview) -> bytes:
 
 
 def _crc_of_parts(parts: list[Any]) -> bytes:
-    """crc32c of the parts' bytes one after another, without copying them (google_crc32c takes
-    read-only buffers only, so each part goes in as a numpy view)."""
-    crc = 0
-    for part in parts:
-        crc = google_crc32c.extend(crc, np.frombuffer(part, dtype=np.uint8))
-    return int(crc).to_bytes(CRC_BYTES, "little")
+    """crc32c of the parts' bytes one after another, without copying them."""
+    return crc32c_bytes(parts)
 
 
 def _checked(entry: bytes) -> bytes | None:

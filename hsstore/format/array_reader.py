@@ -20,9 +20,9 @@ import os
 import threading
 from typing import Any
 
-import google_crc32c
 import numpy as np
 
+from hsstore.checksum import crc32c_bytes
 from hsstore.errors import ShardCorruptError
 from hsstore.format.chunk_layout import CRC_BYTES, MISSING, ChunkLayout
 from hsstore.location import StoreLocation
@@ -151,7 +151,7 @@ class ArrayReader:
             raise self._corrupt(shard, f"{size} bytes, too short for an index of {count} chunks")
         data = self._read_bytes(shard, size - nbytes, nbytes)
         assert data is not None
-        if int(google_crc32c.value(data[:-CRC_BYTES])).to_bytes(CRC_BYTES, "little") != data[-CRC_BYTES:]:
+        if crc32c_bytes([memoryview(data)[:-CRC_BYTES]]) != data[-CRC_BYTES:]:
             raise self._corrupt(shard, "the shard index fails its crc32c")
         index = np.frombuffer(data[:-CRC_BYTES], dtype="<u8").reshape(count, 2)
         present = index[:, 0] != MISSING
@@ -257,10 +257,7 @@ class ArrayReader:
                 pieces.append([*parts, crc])
             self._read_bytes(shard, offset, nbytes, into=buffers)
             for chunk, parts in zip(run, pieces, strict=True):
-                computed = 0
-                for part in parts[:-1]:
-                    computed = google_crc32c.extend(computed, part)
-                if int(computed).to_bytes(CRC_BYTES, "little") != parts[-1].tobytes():
+                if crc32c_bytes(parts[:-1]) != parts[-1].tobytes():
                     raise self._corrupt(shard, f"chunk {chunk} fails its crc32c")
             return
         data = self._read_bytes(shard, offset, nbytes)
@@ -270,7 +267,7 @@ class ArrayReader:
             at = int(index[chunk, 0]) - offset
             size = int(index[chunk, 1])
             payload, stored = view[at : at + size - CRC_BYTES], view[at + size - CRC_BYTES : at + size]
-            if int(google_crc32c.value(payload)).to_bytes(CRC_BYTES, "little") != stored.tobytes():
+            if crc32c_bytes([payload]) != stored.tobytes():
                 raise self._corrupt(shard, f"chunk {chunk} fails its crc32c")
             lo, hi = self._clip(shard, chunk, start, stop)
             chunk_first = layout.first_row(shard, chunk)

@@ -19,9 +19,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import google_crc32c
 import numpy as np
 
+from hsstore.checksum import crc32c_bytes
 from hsstore.format.chunk_layout import CRC_BYTES, MISSING, ChunkLayout
 from hsstore.location import StoreLocation
 
@@ -158,11 +158,10 @@ class ArrayWriter:
         if zarr_shard != self._file_shard:
             self._finish_file(chunks_per_shard)
             self._open_file(zarr_shard)
-        # google_crc32c takes numpy arrays and bytes, not memoryviews.
         payload: Any = chunk.reshape(-1).view(np.uint8)
         if self._compressor is not None:
             payload = self._compressor.encode(payload)
-        crc = int(google_crc32c.value(payload)).to_bytes(CRC_BYTES, "little")
+        crc = crc32c_bytes([payload])
         self._file.write(payload)
         self._file.write(crc)
         nbytes = len(payload) + CRC_BYTES
@@ -210,7 +209,7 @@ class ArrayWriter:
         if self._file_index:
             entries[: len(self._file_index)] = self._file_index
         index = entries.tobytes()
-        index_block = index + int(google_crc32c.value(index)).to_bytes(CRC_BYTES, "little")
+        index_block = index + crc32c_bytes([index])
         self._file.write(index_block)
         self._file.close()
         self._file = None

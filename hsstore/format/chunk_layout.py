@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
+from hsstore.checksum import CRC_BYTES
 from hsstore.format.layout import zarr_shard_key
 
 MISSING = 2**64 - 1  # an index entry for a chunk that was never written (zarr: fill value)
-CRC_BYTES = 4
 INDEX_ENTRY_BYTES = 16
 
 
