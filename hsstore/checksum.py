@@ -18,14 +18,9 @@ import crc32c as _crc32c
 CRC_BYTES = 4  # stored little endian after what it covers
 
 
-def crc32c(data: Any, value: int = 0) -> int:
-    """The CRC-32C of ``data`` (anything with the buffer protocol: bytes, memoryview, a contiguous
-    numpy array), continuing from ``value`` (the CRC of what came before it)."""
-    return _crc32c.crc32c(data, value)
-
-
 def crc32c_bytes(parts: Iterable[Any]) -> bytes:
-    """The CRC-32C of the parts' bytes one after another, as stored: 4 bytes, little endian."""
+    """The CRC-32C of the parts' bytes one after another (each anything with the buffer protocol:
+    bytes, memoryview, a contiguous numpy array), as stored: 4 bytes, little endian."""
     value = 0
     for part in parts:
         value = _crc32c.crc32c(part, value)

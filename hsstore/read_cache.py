@@ -122,7 +122,7 @@ class ReadCache:
                 os.close(fd)
         except OSError:
             got = -1
-        ok = got == nbytes + CRC_BYTES and _crc_of_parts(parts) == bytes(stored)
+        ok = got == nbytes + CRC_BYTES and crc32c_bytes(parts) == bytes(stored)
         self._count(key, known, nbytes if ok else None)
         return ok
 
@@ -150,7 +150,7 @@ class ReadCache:
             try:
                 with open(temp, "wb") as handle:
                     handle.write(data)
-                    handle.write(_crc(data))
+                    handle.write(crc32c_bytes([data]))
                 os.replace(temp, path)
             except OSError:
                 # A full or read-only cache disk costs only the caching, never the read.
@@ -187,21 +187,12 @@ def scatter(data: bytes | memoryview, parts: list[Any]) -> None:
         at += target.nbytes
 
 
-def _crc(data: bytes | memoryview) -> bytes:
-    return _crc_of_parts([data])
-
-
-def _crc_of_parts(parts: list[Any]) -> bytes:
-    """crc32c of the parts' bytes one after another, without copying them."""
-    return crc32c_bytes(parts)
-
-
 def _checked(entry: bytes) -> bytes | None:
     """An entry's data if its trailing crc32c matches, else None (a miss)."""
     if len(entry) < CRC_BYTES:
         return None
     data = entry[:-CRC_BYTES]
-    return data if _crc(data) == entry[-CRC_BYTES:] else None
+    return data if crc32c_bytes([data]) == entry[-CRC_BYTES:] else None
 
 
 __all__ = ["ReadCache", "scatter"]
