@@ -138,9 +138,9 @@ class EagerTTTAttention(_KeysByDepth):
         return attend_with_own_keys(q, self.keys, self.values, mask)
 
 
-class SegmentedTTTAttention(_KeysByDepth):
-    """The CPU's default: the dense formula of ``attend_with_own_keys`` applied to each document
-    run of each packed row separately. Attention never crosses a document, so a row of documents
+class SegmentedTTTAttention(EagerTTTAttention):
+    """The CPU's default: the reference's dense formula (``attend_with_own_keys``, its masks, its
+    rows and window) applied to each document run of each packed row separately. Attention never crosses a document, so a row of documents
     of lengths L_d costs sum(L_d^2) scores instead of T^2 (a row of 1,536 tokens holding documents
     of ~650 costs ~2.4x less), and a run without a window needs no mask at all (SDPA's causal
     kernel at depth 0). Same result as the reference; the run boundaries are read to the host
@@ -149,10 +149,7 @@ class SegmentedTTTAttention(_KeysByDepth):
     def __init__(
         self, doc_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, sliding_window: int | None
     ) -> None:
-        super().__init__()
-        self.doc_ids = doc_ids_BT
-        self.position_ids = position_ids_BT
-        self.window = sliding_window
+        super().__init__(doc_ids_BT, position_ids_BT, sliding_window)
         self.segments: list[list[tuple[int, int]]] = []
         for runs in run_ids(doc_ids_BT).cpu():  # runs are numbered 0, 1, ... along the row
             bounds = [0, *itertools.accumulate(torch.bincount(runs).tolist())]
