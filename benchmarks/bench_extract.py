@@ -311,7 +311,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> di
             if bare_timeline is not None and extract_timeline is not None:
                 timelines.append(compare_timelines(bare_timeline.summary(), extract_timeline.summary()))
         num_tokens = sum(u.num_tokens for u in units)
-        batches = [b for u in units for b in plan_batches([len(r.input_ids) for r in u.rows], spec.token_budget, pad_to_multiple_of=8)]
+        unit_batches = [plan_batches([len(r.input_ids) for r in u.rows], spec.token_budget, pad_to_multiple_of=8) for u in units]
+        batches = [b for per_unit in unit_batches for b in per_unit]
         store_bytes = sum(r.record.num_bytes for r in results)
         bare_s, extract_s = statistics.median(bare_runs), statistics.median(extract_runs)
         row = {
@@ -343,7 +344,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> di
         if timelines:
             row["gpu_timelines"] = timelines
             row["gpu_clocks"] = clocks
-            row["batches_per_unit"] = [len(plan_batches([len(r.input_ids) for r in u.rows], spec.token_budget, pad_to_multiple_of=8)) for u in units]
+            row["batches_per_unit"] = [len(per_unit) for per_unit in unit_batches]
             for t in timelines:
                 print(
                     f"  GPU timeline: forwards extract/bare {t['forward_ratio_total']:.4f} (median per batch "
