@@ -10,6 +10,7 @@ verify and info all go through :func:`codec_for`.
 
 from __future__ import annotations
 
+import abc
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
@@ -36,8 +37,9 @@ def is_torch(value: Any) -> bool:
     return type(value).__module__.startswith("torch")
 
 
-class FeatureCodec:
-    """How one codec stores values. Subclasses set the three names and implement the four methods.
+class FeatureCodec(abc.ABC):
+    """How one codec stores values. Subclasses set the three names and implement the four abstract
+    methods (a codec missing one cannot be instantiated, so it fails when registered).
 
     ``raw`` arguments map array names (``spec.name``, plus each extra array's name) to stored bits:
     numpy arrays, or torch tensors already on the decode device.
@@ -51,21 +53,25 @@ class FeatureCodec:
         """``(array name, per-token shape, stored dtype)`` of the arrays this codec adds."""
         return []
 
+    @abc.abstractmethod
     def encode_numpy(self, spec: FeatureSpec, values: np.ndarray) -> dict[str, np.ndarray]:
-        raise NotImplementedError
+        """Encode on the host: the stored arrays, by name."""
 
+    @abc.abstractmethod
     def encode_torch(self, spec: FeatureSpec, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         """Encode on ``tensor``'s device, without a sync: the stored arrays as tensors there (bits
         whose numpy dtype torch lacks come back reinterpreted, e.g. bf16's uint16 as int16). What
         the device cannot refuse without a sync is flagged for :meth:`check_encoded` instead."""
-        raise NotImplementedError
 
     def check_encoded(self, spec: FeatureSpec, encoded: dict[str, np.ndarray]) -> None:
         """Raise :class:`CodecError` for what :meth:`encode_torch` could only flag (on the host)."""
+        return  # by default nothing: a codec whose device encoding refuses nothing has nothing to flag
 
+    @abc.abstractmethod
     def decode_numpy(self, spec: FeatureSpec, raw: dict[str, Any], name: str) -> np.ndarray:
-        raise NotImplementedError
+        """Decode ``raw[name]`` on the host (floats as float32: numpy has no bf16)."""
 
+    @abc.abstractmethod
     def decode_torch(
         self,
         spec: FeatureSpec,
@@ -79,7 +85,6 @@ class FeatureCodec:
     ) -> torch.Tensor:
         """Decode ``bits_t`` (``raw[name]`` as a tensor on the decode device). May write into
         ``out`` (already checked) and return it; the caller copies into ``out`` otherwise."""
-        raise NotImplementedError
 
 
 _CODECS: dict[str, FeatureCodec] = {}

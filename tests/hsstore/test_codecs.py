@@ -95,3 +95,23 @@ def test_int32_and_float32_pass_through():
     assert torch.equal(codecs.decode_torch(spec("int32", (4,)), raw), torch.from_numpy(ids).int())
     values = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
     np.testing.assert_array_equal(codecs.decode_numpy(spec("float32", (4,)), codecs.encode(spec("float32", (4,)), values)), values)
+
+
+def test_a_codec_missing_a_method_is_refused_when_registered() -> None:
+    from hsstore.format.registry import FeatureCodec, codec_for, register_codec
+
+    class HalfCodec(FeatureCodec):  # encodes, cannot decode
+        name = "half_done"
+        storage_dtype = "uint16"
+        logical_dtype = "bfloat16"
+
+        def encode_numpy(self, spec, values):  # noqa: ANN001, ANN202
+            return {spec.name: values}
+
+        def encode_torch(self, spec, tensor):  # noqa: ANN001, ANN202
+            return {spec.name: tensor}
+
+    with pytest.raises(TypeError, match="decode_numpy"):
+        register_codec(HalfCodec)
+    with pytest.raises(CodecError, match="half_done"):
+        codec_for("half_done")
