@@ -127,7 +127,10 @@ def disk_gb_per_s(directory: Path, gib: float) -> float:
 # --- the recipe every extraction run uses ----------------------------------------------------------
 
 
-def write_recipe(args: argparse.Namespace, name: str, *, codec: str, workers: int, gpus_per_worker: int, limit: int | None) -> Path:
+def write_recipe(
+    args: argparse.Namespace, name: str, *, codec: str, workers: int, gpus_per_worker: int, limit: int | None,
+    executor: str | None = None,
+) -> Path:
     import yaml
 
     work = Path(args.work)
@@ -136,7 +139,7 @@ def write_recipe(args: argparse.Namespace, name: str, *, codec: str, workers: in
         "data": [str(work / "records.jsonl")],
         "store": str(work / "stores" / name),
         "limit": limit,
-        "executor": args.executor,
+        "executor": executor or args.executor,
         "model": {"dtype": "bfloat16", "device": "auto" if args.device == "cuda" else "cpu"},
         "capture": {"aux_layer_ids": AUX_LAYER_IDS[args.shape]},
         "codecs": {
@@ -337,7 +340,8 @@ def run(args: argparse.Namespace) -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    state: dict[str, Any] = {"machine": machine_facts(args), "runs": {}, "bare": None, "disk": None, "compared": {}}
+    state: dict[str, Any] = {"machine": machine_facts(args), "runs": {}, "bare": None, "bare_after": None, "disk": None,
+                             "compared": {}}
     step(args, "prepare", "--tokens", str(args.tokens), "--min-length", str(args.min_length), "--max-length", str(args.max_length))
     state["disk"] = disk_gb_per_s(work, args.disk_gib)
     log(f"disk: {state['disk']:.2f} GB/s written (fsync)")
@@ -360,19 +364,27 @@ def run(args: argparse.Namespace) -> None:
         write_outputs(args, state, started)
 
     attempt("bare", lambda: state.update(bare=step(args, "bare")))
-    plan = [("bf16-1", "bf16", 1), ("fp8-1", "fp8_e4m3", 1), ("bf16-2", "bf16", 2), ("fp8-2", "fp8_e4m3", 2)]
+    # "-local": the same extraction in the driver's process (executor=local), to tell what Ray costs.
+    plan = [("bf16-1", "bf16", 1), ("fp8-1", "fp8_e4m3", 1), ("bf16-1-local", "bf16", 1),
+            ("fp8-1-local", "fp8_e4m3", 1), ("bf16-2", "bf16", 2), ("fp8-2", "fp8_e4m3", 2)]
     wanted = set(args.runs.split(","))
     for name, codec, workers in plan:
         if workers > args.gpus or name not in wanted:
             continue
-        attempt(name, lambda name=name, codec=codec, workers=workers: state["runs"].__setitem__(
-            name, extract(args, name, codec=codec, workers=workers, gpus_per_worker=one_gpu, limit=None)))
+        executor = "local" if name.endswith("-local") else None
+        attempt(name, lambda name=name, codec=codec, workers=workers, executor=executor: state["runs"].__setitem__(
+            name, extract(args, name, codec=codec, workers=workers, gpus_per_worker=one_gpu, limit=None,
+                          executor=executor)))
         # bf16-1 is kept for the split comparison, if the disk holds it next to the next store
         # (an fp8 store is half its size; the split run's is small).
         written = state["runs"].get(name, {}).get("store_bytes", 0)  # the manifest's count
         keep = name == "bf16-1" and split and written and written // 2 + (8 << 30) < shutil.disk_usage(work).free
         if not keep:
             shutil.rmtree(work / "stores" / name, ignore_errors=True)
+    if args.bare_after:
+        # The bare forward again after the runs: the GPU's drift over the call (clocks, heat) shows
+        # as the two bare figures' difference, and the runs are compared with their mean.
+        attempt("bare-after", lambda: state.update(bare_after=step(args, "bare")))
     if split and "split" in wanted:
         attempt("split", lambda: state["runs"].__setitem__(
             "split", extract(args, "split", codec="bf16", workers=1, gpus_per_worker=args.split_gpus, limit=args.split_records)))
@@ -392,7 +404,8 @@ def write_outputs(args: argparse.Namespace, state: dict[str, Any], started: floa
     def tps(name: str) -> float | None:
         return runs[name]["tokens_per_second"] if name in runs else None
 
-    bare_tps = bare["bare_tokens_per_s"] if bare else None
+    bare_runs = [b["bare_tokens_per_s"] for b in (bare, state.get("bare_after")) if b]
+    bare_tps = sum(bare_runs) / len(bare_runs) if bare_runs else None
     results = {
         "bare_tokens_per_s": bare_tps,
         "ray": {
@@ -402,7 +415,7 @@ def write_outputs(args: argparse.Namespace, state: dict[str, Any], started: floa
         "padding_fraction": runs["bf16-1"]["padding_waste"] if "bf16-1" in runs else (bare or {}).get("padding_fraction"),
         "disk_gb_per_s": state["disk"],
         "per_gpu_vs_bare": {
-            name: r["tokens_per_second"] / (int(name[-1]) * bare_tps)
+            name: r["tokens_per_second"] / (gpus_of(name) * bare_tps)
             for name, r in runs.items() if name != "split" and bare_tps
         },
         "writer_busy_fraction": {name: r["writer_busy_fraction"] for name, r in runs.items()},
@@ -415,6 +428,8 @@ def write_outputs(args: argparse.Namespace, state: dict[str, Any], started: floa
         "store_bytes_per_token": {name: r["bytes_per_token"] for name, r in runs.items()},
         "num_tokens": (bare or {}).get("num_tokens"),
         "bare": bare,
+        "bare_after": state.get("bare_after"),
+        "bare_runs_tokens_per_s": bare_runs,
         "runs": runs,
         "settings": settings_of(args),
         "machine": state["machine"],
@@ -469,16 +484,22 @@ def machine_facts(args: argparse.Namespace) -> dict[str, Any]:
     return facts
 
 
+def gpus_of(name: str) -> int:
+    """GPUs of a run by its name: "split" is one actor on several; "bf16-2" is 2 actors of one GPU."""
+    return 1 if name == "split" else int(name.split("-")[1])
+
+
 def table(results: dict[str, Any], runs: dict[str, dict[str, Any]]) -> str:
     bare_tps = results["bare_tokens_per_s"]
+    bare_runs = " / ".join(f"{b:,.0f}" for b in results.get("bare_runs_tokens_per_s", []))
     lines = [
-        f"bare forward (no mask, same batches): {bare_tps:,.0f} tok/s; padding {100 * results['padding_fraction']:.2f}%; "
+        f"bare forward (no mask, same batches): {bare_tps:,.0f} tok/s (runs {bare_runs}); padding {100 * results['padding_fraction']:.2f}%; "
         f"disk {results['disk_gb_per_s']:.2f} GB/s; {results['num_tokens']:,} tokens",
         "| run | tokens/s | per GPU vs bare | writer busy | written GB/s | forwards busy | head s | tail s |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in runs.items():
-        gpus = 1 if name == "split" else int(name[-1])
+        gpus = gpus_of(name)
         label = f"{name} (1 actor, {2} GPUs, {r['num_tokens_written']:,} tokens)" if name == "split" else name
         lines.append(
             f"| {label} | {r['tokens_per_second']:,.0f} | {r['tokens_per_second'] / gpus / bare_tps:.3f} | "
@@ -511,7 +532,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--planning-workers", type=int, default=4, help="planning.num_workers of each run")
     parser.add_argument("--deadline-s", type=float, default=400, help="start no step after this many seconds")
     parser.add_argument("--runs", default="bf16-1,fp8-1,bf16-2,fp8-2,split",
-                        help="which extraction runs (a long run splits over two device calls, the bare forward runs in each)")
+                        help="which extraction runs (a long run splits over two device calls, the bare forward runs in each); "
+                        "bf16-1-local / fp8-1-local: in process (executor=local)")
+    parser.add_argument("--bare-after", action="store_true", help="run the bare forward again after the extraction runs")
     args = parser.parse_args(argv)
     {"run": run, "prepare": prepare, "bare": bare, "compare": compare}[args.command](args)
     return 0

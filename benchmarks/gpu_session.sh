@@ -15,10 +15,11 @@ OUT=${OUT:-/tmp/hsstore-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if [ "$stage" = extract-ray ]; then
-  # .gpu/ from ../shared/gpu/make-bundle.sh plus benchmarks/gpu_bundle_extras.sh (crc32c).
+  # .gpu/ from ../shared/gpu/make-bundle.sh plus benchmarks/gpu_bundle_extras.sh (crc32c, zarr pinned).
   bash .gpu/setup.sh || exit 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/crc32c-*.whl 2>/dev/null
-  PYTHONPATH=/tmp/site python3 -c 'import crc32c' || { echo "no crc32c wheel: run benchmarks/gpu_bundle_extras.sh" >&2; exit 1; }
+  # --upgrade: a warm machine keeps /tmp/site from an earlier call (an older bundle's zarr).
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .gpu/whl/crc32c-*.whl .gpu/whl/zarr-*.whl 2>/dev/null
+  PYTHONPATH=/tmp/site python3 -c 'import crc32c, zarr' || { echo "bundle incomplete: run benchmarks/gpu_bundle_extras.sh" >&2; exit 1; }
 else
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 fi
