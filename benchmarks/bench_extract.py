@@ -282,7 +282,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> di
     )
     lineage = Lineage(aux_layer_ids=aux_layer_ids, max_length=args.max_length, code_version="bench")
     samples = make_samples(args.tokens, args.min_length, args.max_length, config.vocab_size, seed=0)
-    units = plan_units(samples, args.unit_tokens, 1 << 30)
+    units = plan_units(samples, args.unit_tokens, 1 << 30, args.sort_window_tokens)
     # Warm up on the first unit itself: the same shapes (kernels picked, memory pools grown).
     warmup = units[:1]
     worker = ExtractionWorker(spec, model=model)
@@ -389,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token-budget", type=int, default=32768, help="padded tokens per forward")
     parser.add_argument("--unit-tokens", type=int, default=262144, help="tokens per work unit (shard), as the recipe default")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--sort-window-tokens", type=int, default=None,
+                        help="length-sort windows as the recipe's units.sort_window_tokens (4194304 by default there; "
+                        "default here: none, units in input order) to plan the batches `hsstore extract` would")
     parser.add_argument("--no-attention-mask", action="store_true", help="right padding without a mask (exact; see the recipe docs)")
     parser.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (seconds): how often threads hand over the GIL (Python's default 0.005)")
     parser.add_argument("--gpu-timeline", action="store_true", help="CUDA events around each forward: GPU time per forward and idle gaps, bare vs extract")

@@ -63,6 +63,12 @@ extract-ray)
   #   EXTRACT_RAY_ARGS="--tokens 2400000 --unit-tokens 65536 --runs bf16-1,fp8-1 --deadline-s 420"
   #   EXTRACT_RAY_ARGS="--tokens 2400000 --unit-tokens 65536 --runs bf16-2,fp8-2,split --deadline-s 420"
   # (nvidia-h200 has a 64 GiB disk: a bf16 store of 2.4M tokens at H=4096 is 79 GB; use <= 1.3M there.)
+  # Ray against in process in one call, the bare forward before and after (RESULTS.md, 08:17 UTC):
+  #   EXTRACT_RAY_ARGS="--gpus 1 --split-gpus 1 --tokens 1300000 --runs bf16-1,bf16-1-local --bare-after"
+  # Why the CLI path (93-94% of bare) trails bench_extract.py's in-process ABBA (96.7-97.0%): run the
+  # latter on the CLI's batch plan (length-sorted windows) in the same call, e.g. before the above:
+  #   python3 benchmarks/bench_extract.py --models qwen3-8b --codec bf16 --no-attention-mask \
+  #       --tokens 786432 --repeats 2 --gpu-timeline --sort-window-tokens 4194304 --out $OUT/abba-sorted.json
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c 'import torch, transformers, sys; print(sys.version.split()[0], torch.__version__, transformers.__version__)'; nproc; df -h /tmp | tail -n 1; } | tee "$OUT/machine.txt"
   python3 benchmarks/bench_extract_ray.py run --out "$OUT" --work /tmp/hsstore-work/extract-ray ${EXTRACT_RAY_ARGS:-} 2>&1 | tail -n 40
   # The GPU-marked tests of this work (GPU fp8 encode == CPU bits, the pinned pool, a 2-GPU split).
