@@ -43,6 +43,8 @@ if str(REPO) not in sys.path:
 import hsstore  # noqa: E402
 from benchmarks.moto_s3 import MotoS3  # noqa: E402
 from hsstore import FeatureSpec, Lineage  # noqa: E402
+from hsstore.range_reads import ENV_VAR as RANGE_READER_ENV  # noqa: E402
+from hsstore.range_reads import ObstoreRangeReader  # noqa: E402
 from hsstore.read_cache import ReadCache  # noqa: E402
 
 FEATURES = ["aux_hidden_states", "final_hidden_state"]
@@ -129,11 +131,13 @@ class RangeRecorder:
         self.fs.cat_file = self._plain
 
 
-def replay(fs: Any, ranges: list[tuple[str, int, int]], threads: int) -> dict[str, float]:
-    """The same ranged GETs with bare s3fs calls from ``threads`` threads: the endpoint's ceiling."""
+def replay(fs: Any, ranges: list[tuple[str, int, int]], threads: int, read: Any = None) -> dict[str, float]:
+    """The same ranged GETs with bare client calls from ``threads`` threads (s3fs's ``cat_file``, or
+    ``read(path, start, end)``): what the endpoint serves that client with no loader at all."""
+    read = read or (lambda path, start, end: fs.cat_file(path, start=start, end=end))
     started = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
-        nbytes = sum(pool.map(lambda r: len(fs.cat_file(r[0], start=r[1], end=r[2])), ranges))
+        nbytes = sum(pool.map(lambda r: len(read(*r)), ranges))
     seconds = time.perf_counter() - started
     return {"seconds": seconds, "bytes": nbytes, "requests": len(ranges), "mb_per_s": nbytes / seconds / 1e6}
 
@@ -187,6 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.hidden, args.tokens, args.shard_tokens, args.repeats, args.ttfb_shards = 256, 4096, 2048, 1, 50
 
+    try:
+        import obstore  # noqa: F401
+
+        has_obstore = True
+    except ImportError:
+        has_obstore = False
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-object-store-"))
     workdir.mkdir(parents=True, exist_ok=True)
     settings = {"token_budget": args.token_budget, "read_threads": args.read_threads, "prefetch_batches": 4, "shuffle_window": 1024, "seed": 0}
@@ -204,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             report["store"] = write_store(local, hidden=args.hidden, num_tokens=args.tokens, mean_len=args.mean_len, max_len=args.max_len, shard_tokens=args.shard_tokens, seed=0)
             url = "s3://bench/store"
             upload(local, url)
-            runs: dict[str, list[dict[str, Any]]] = {"local": [], "s3": [], "s3_cached_2nd_epoch": []}
+            runs: dict[str, list[dict[str, Any]]] = {"local": [], "s3": [], "s3_obstore": [], "s3_cached_2nd_epoch": []}
             requests: list[dict[str, int]] = []
             for repeat in range(args.repeats):
                 runs["local"].append(read_epoch(str(local), settings))
@@ -215,6 +225,15 @@ def main(argv: list[str] | None = None) -> int:
                 requests.append(s3.requests(reset=True))
                 if repeat == 0:
                     report["endpoint_ceiling"] = replay(store.location.fs, recorder.ranges, args.read_threads)
+                if has_obstore:  # the same epoch, ranged reads through obstore (hsstore.range_reads)
+                    os.environ[RANGE_READER_ENV] = "obstore"
+                    try:
+                        runs["s3_obstore"].append({**read_epoch(url, settings), "requests": s3.requests(reset=True)})
+                        if repeat == 0:
+                            reader = ObstoreRangeReader(url, {})
+                            report["endpoint_ceiling_obstore"] = replay(store.location.fs, recorder.ranges, args.read_threads, reader.read)
+                    finally:
+                        os.environ.pop(RANGE_READER_ENV, None)
                 cache_dir = workdir / f"cache-{repeat}"
                 shutil.rmtree(cache_dir, ignore_errors=True)
                 cache = ReadCache(cache_dir, 64 << 30)
@@ -229,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                 "local_tokens_per_s": round(median(runs["local"], "tokens_per_s")),
                 "s3_tokens_per_s": round(median(runs["s3"], "tokens_per_s")),
                 "s3_cached_2nd_epoch_tokens_per_s": round(median(runs["s3_cached_2nd_epoch"], "tokens_per_s")),
+                "s3_obstore_tokens_per_s": round(median(runs["s3_obstore"], "tokens_per_s")) if runs["s3_obstore"] else None,
                 "s3_requests_per_epoch": int(statistics.median(sum(v for k, v in r.items() if k in ("GET", "HEAD", "PUT", "POST")) for r in requests)),
                 "s3_get_bytes_per_epoch": int(statistics.median(r.get("response_bytes", 0) for r in requests)),
                 "store_bytes": store_bytes,
@@ -268,9 +288,15 @@ def print_tables(report: dict[str, Any]) -> None:
     print("|---|---:|---:|---:|---:|")
     print(f"| local filesystem (warm page cache) | {s['local_tokens_per_s']:,} | 1.00x | - | - |")
     print(f"| moto S3 on loopback | {s['s3_tokens_per_s']:,} | {s['s3_tokens_per_s'] / s['local_tokens_per_s']:.2f}x | {s['s3_requests_per_epoch']:,} | {s['s3_get_bytes_per_epoch']:,} ({s['s3_get_bytes_per_epoch'] / store['bytes']:.2f}x the store) |")
+    if s.get("s3_obstore_tokens_per_s"):
+        print(f"| moto S3, HSSTORE_RANGE_READER=obstore | {s['s3_obstore_tokens_per_s']:,} | {s['s3_obstore_tokens_per_s'] / s['local_tokens_per_s']:.2f}x | - | - |")
     print(f"| moto S3, 2nd epoch from a local ReadCache | {s['s3_cached_2nd_epoch_tokens_per_s']:,} | {s['s3_cached_2nd_epoch_tokens_per_s'] / s['local_tokens_per_s']:.2f}x | {s['s3_cached_2nd_epoch_requests']:,} | - |")
     ceiling_tps = ceiling["mb_per_s"] * 1e6 / (s["s3_get_bytes_per_epoch"] / max(1, store["num_tokens"]))
     print(f"| endpoint ceiling: the same ranged GETs, bare s3fs | {ceiling_tps:,.0f} (equiv.) | {ceiling_tps / s['local_tokens_per_s']:.2f}x | {ceiling['requests']:,} | {ceiling['mb_per_s']:,.0f} MB/s |")
+    if "endpoint_ceiling_obstore" in report:
+        c = report["endpoint_ceiling_obstore"]
+        c_tps = c["mb_per_s"] * 1e6 / (s["s3_get_bytes_per_epoch"] / max(1, store["num_tokens"]))
+        print(f"| endpoint ceiling: the same ranged GETs, bare obstore | {c_tps:,.0f} (equiv.) | {c_tps / s['local_tokens_per_s']:.2f}x | {c['requests']:,} | {c['mb_per_s']:,.0f} MB/s |")
     key = next(k for k in s if k.startswith("first_batch_seconds_") and k != "first_batch_seconds_cached")
     print(f"\ntime to first batch, {report['ttfb_store']['num_shards']} shards from S3 (fresh process, median): {s[key]:.2f} s; with a filled cache: {s['first_batch_seconds_cached']:.2f} s")
     cold = report["ttfb"]["cold"][0]

@@ -79,7 +79,7 @@ class ArrayReader:
     def _path(self, zarr_shard: int) -> str:
         return self.location.path(self._relative(zarr_shard))
 
-    def _fetch(self, zarr_shard: int, offset: int, nbytes: int, into: list[Any] | None = None) -> bytes | None:
+    def _fetch(self, zarr_shard: int, offset: int, nbytes: int, into: list[Any] | None = None) -> bytes | memoryview | None:
         """One ranged GET of a remote file (through the cache when there is one). None: a cache
         hit was read straight into ``into``."""
         entry = self.files.get(self._relative(zarr_shard))
@@ -93,7 +93,7 @@ class ArrayReader:
                 cached = self.cache.get(key)
                 if cached is not None and len(cached) == nbytes:
                     return cached
-        data = bytes(self.location.fs.cat_file(self._path(zarr_shard), start=offset, end=offset + nbytes))
+        data = self.location.read_range(self._path(zarr_shard), offset, offset + nbytes)
         if key is not None and self.cache is not None and len(data) == nbytes:
             self.cache.put(key, data)
         return data
@@ -101,9 +101,10 @@ class ArrayReader:
     def _corrupt(self, zarr_shard: int, detail: str) -> ShardCorruptError:
         return ShardCorruptError(f"{self._path(zarr_shard)}: {detail} (the file is damaged; run hsstore verify)")
 
-    def _read_bytes(self, shard: int, offset: int, nbytes: int, into: list[Any] | None = None) -> bytes | None:
+    def _read_bytes(self, shard: int, offset: int, nbytes: int, into: list[Any] | None = None) -> bytes | memoryview | None:
         """``nbytes`` at ``offset`` of a shard file: returned, or scattered over ``into``."""
         path = self._path(shard)
+        data: bytes | memoryview | None
         if self.location.is_local:
             fd = os.open(path, os.O_RDONLY)
             try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -258,3 +259,53 @@ def test_read_cache_reads_a_hit_straight_into_buffers_and_checks_it(tmp_path: Pa
         entry.write_bytes(bytes(damaged))
         assert not cache.read_into(key, [np.zeros(300, np.uint16), np.zeros(700, np.uint16)])
         assert cache.get(key) is None
+
+
+# -- HSSTORE_RANGE_READER=obstore: the loader's ranged reads through obstore (hsstore.range_reads) --
+
+
+@pytest.mark.parametrize("endpoint_from", ["environment", "storage_options"])
+def test_obstore_reader_gives_the_same_batches_as_local(
+    stores: tuple[str, str], s3: Any, monkeypatch: pytest.MonkeyPatch, endpoint_from: str
+) -> None:
+    pytest.importorskip("obstore")
+    from hsstore.location import StoreLocation
+
+    local, url = stores
+    monkeypatch.setenv("HSSTORE_RANGE_READER", "obstore")
+    options: dict[str, Any] = {}
+    if endpoint_from == "storage_options":
+        monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+        options = {"client_kwargs": {"endpoint_url": s3.endpoint}}
+    location = StoreLocation(url, options)
+    assert location._range_reader is not None
+    # Rebuilt from the URL and options in another process (Ray, DataLoader workers): reader included.
+    assert pickle.loads(pickle.dumps(location))._range_reader is not None
+    expected = [_snapshot(b) for b in hsstore.StreamingLoader(local, FEATURES, **_settings()).batches(max_epochs=2)]
+    s3.requests(reset=True)
+    loader = hsstore.StreamingLoader(url, FEATURES, storage_options=options, **_settings())
+    got = [_snapshot(b) for b in loader.batches(max_epochs=2)]
+    _assert_same(expected, got)
+    assert s3.requests(reset=True).get("GET_ranged", 0) > 0  # obstore's GETs reached the endpoint
+
+
+def test_obstore_reader_refuses_options_it_cannot_map(aws_env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("obstore")
+    from hsstore.location import StoreLocation
+
+    monkeypatch.setenv("HSSTORE_RANGE_READER", "obstore")
+    with pytest.raises(ValueError, match="requester_pays"):
+        StoreLocation("s3://some-bucket/store", {"requester_pays": True})
+    with pytest.raises(ValueError, match="client_kwargs.verify"):
+        StoreLocation("s3://some-bucket/store", {"client_kwargs": {"verify": False}})
+
+
+def test_an_unknown_range_reader_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hsstore.location import StoreLocation
+
+    monkeypatch.setenv("HSSTORE_RANGE_READER", "curl")
+    with pytest.raises(ValueError, match="HSSTORE_RANGE_READER='curl'"):
+        StoreLocation("memory://store")
+    # A local store never takes the remote path, whatever the variable says.
+    monkeypatch.setenv("HSSTORE_RANGE_READER", "obstore")
+    assert StoreLocation(str(tmp_path))._range_reader is None
