@@ -34,6 +34,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from hsstore.errors import CommitConflictError, StoreWriteError
+from hsstore.range_reads import ENV_VAR as RANGE_READER_ENV
 from hsstore.range_reads import ObstoreRangeReader, configured_reader
 
 HASH_BLOCK = 8 << 20
@@ -62,6 +63,8 @@ class StoreLocation:
         # Ranged reads of shard files: fsspec's cat_file, or obstore when asked (hsstore.range_reads).
         self._range_reader: Any = None
         if not self.is_local and configured_reader() == "obstore":
+            if not protocols & {"s3", "s3a"}:
+                raise ValueError(f"{url}: {RANGE_READER_ENV}=obstore reads s3:// stores only")
             self._range_reader = ObstoreRangeReader(url, self.storage_options)
 
     def __repr__(self) -> str:
