@@ -145,6 +145,7 @@ def run_extraction(
             trust_remote_code=recipe.model.trust_remote_code,
             token_budget=recipe.batching.token_budget,
             max_batch_size=recipe.batching.max_batch_size,
+            max_length=recipe.batching.max_length,
             pad_to_multiple_of=recipe.batching.pad_to_multiple_of,
             pass_attention_mask=recipe.batching.pass_attention_mask,
             pad_token_id=int(pad_token_id),

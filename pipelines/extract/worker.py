@@ -29,6 +29,7 @@ import torch
 
 from hsstore import FeatureSpec, ShardRecord, ShardWriter
 from hsstore.errors import HsstoreError
+from hsstore.format.codecs import encode_torch
 from pipelines.extract.batching import Batch, collate, plan_batches, round_up
 from pipelines.extract.capture import HiddenStateCapture, resolve_pass_attention_mask
 from pipelines.extract.errors import ExtractionError
@@ -125,6 +126,8 @@ class WorkerSpec:
     trust_remote_code: bool = False
     token_budget: int = 16384
     max_batch_size: int | None = None
+    # The longest sample (batching.max_length): sets the shape of the start-up warm-up batch.
+    max_length: int | None = None
     pad_to_multiple_of: int = 8
     pass_attention_mask: bool | str = "auto"  # see capture.resolve_pass_attention_mask
     pad_token_id: int = 0
@@ -184,7 +187,9 @@ def load_split_target(spec: WorkerSpec) -> tuple[torch.nn.Module, SplitPlacement
         trust_remote_code=spec.trust_remote_code,
     )
     placement = split_across_devices(model, [f"cuda:{i}" for i in range(spec.num_gpus)])
-    logger.info("split the target over %d GPUs: layers on %s", spec.num_gpus, placement.layer_devices)
+    logger.info(
+        "split the target over %d GPUs: layers on %s", spec.num_gpus, placement.layer_devices
+    )
     return model, placement
 
 
@@ -232,6 +237,59 @@ class ExtractionWorker:
                 getattr(getattr(self.model, "config", None), "model_type", None),
             ),
         )
+        self.warmup_seconds = self.warm_up() if self.device.type == "cuda" else 0.0
+
+    def warm_shape(self) -> tuple[int, int]:
+        """``(rows, length)`` of the warm-up batch: the largest batch the plan can make, as many
+        rows of the longest sample as the token budget holds (batching.plan_batches' limits)."""
+        budget = self.spec.token_budget
+        length = min(self.spec.max_length or budget, budget)
+        length = round_up(length, self.spec.pad_to_multiple_of)
+        rows = max(1, budget // length)
+        if self.spec.max_batch_size:
+            rows = min(rows, self.spec.max_batch_size)
+        return rows, length
+
+    def warm_up(self) -> float:
+        """One batch of the largest shape through capture, GPU encode and copy, before any unit.
+
+        Why: the first forwards of a process pay for CUDA loading its kernels, cuBLAS creating its
+        handles and the caching allocator growing its pools; here that happens while the worker
+        starts (as a serving engine warms up before it takes requests), not in the first unit. It
+        is also the memory check: a token budget the device cannot hold fails now, naming the
+        setting, instead of as an out-of-memory in the first unit. Returns its seconds.
+        """
+        rows, length = self.warm_shape()
+        start = time.perf_counter()
+        ids_BT = np.full((rows, length), self.spec.pad_token_id, dtype=np.int64)
+        try:
+            features = self.capture(
+                _to_device(ids_BT, self.input_device),
+                _to_device(np.ones_like(ids_BT), self.input_device),
+                _to_device(np.arange(ids_BT.size), self.device),
+            )
+            buffers = self.host_buffers.acquire(ids_BT.size)
+            try:
+                for spec in self.spec.features:
+                    for name, bits in encode_torch(spec, features[spec.name]).items():
+                        buffers[name][: ids_BT.size].copy_(bits, non_blocking=True)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+            finally:
+                self.host_buffers.release(buffers)
+        except Exception as err:
+            if _is_out_of_memory(err):
+                raise ExtractionError(
+                    f"the warm-up batch ({rows} x {length} tokens, batching.token_budget="
+                    f"{self.spec.token_budget}) ran out of memory on {self.device}: lower "
+                    "batching.token_budget (or batching.max_length), or use a larger device"
+                ) from err
+            raise ExtractionError(f"the target failed its warm-up batch: {_describe(err)}") from err
+        finally:
+            del ids_BT
+        seconds = time.perf_counter() - start
+        logger.info("warmed up on a %d x %d batch in %.2f s", rows, length, seconds)
+        return seconds
 
     def run_unit(
         self, unit: WorkUnit, on_batch: Callable[[int, int], None] | None = None
