@@ -72,7 +72,7 @@ extract-ray)
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c 'import torch, transformers, sys; print(sys.version.split()[0], torch.__version__, transformers.__version__)'; nproc; df -h /tmp | tail -n 1; } | tee "$OUT/machine.txt"
   python3 benchmarks/bench_extract_ray.py run --out "$OUT" --work /tmp/hsstore-work/extract-ray ${EXTRACT_RAY_ARGS:-} 2>&1 | tail -n 40
   # The GPU-marked tests of this work (GPU fp8 encode == CPU bits, the pinned pool, a 2-GPU split).
-  timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/hsstore/test_codecs_encode_torch.py tests/pipelines/extract/test_sink.py tests/pipelines/extract/test_placement.py 2>&1 | tail -n 4 | tee "$OUT/gpu-tests.txt"
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/hsstore/test_codecs_encode_torch.py tests/pipelines/extract/test_sink.py tests/pipelines/extract/test_warm_up.py tests/pipelines/extract/test_placement.py 2>&1 | tail -n 4 | tee "$OUT/gpu-tests.txt"
   ;;
 *) echo "unknown stage $stage"; exit 2 ;;
 esac

@@ -18,7 +18,7 @@ token never attends to a later pad either.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +47,15 @@ def resolve_pass_attention_mask(setting: bool | str | None, model_type: str | No
     if setting not in (None, "auto"):
         raise ValueError(f"pass_attention_mask must be true, false or auto, got {setting!r}")
     return model_type not in MASK_FREE_MODEL_TYPES
+
+
+def pace_layers(num_layers: int, pieces: int | None = None) -> tuple[int, ...]:
+    """Decoder layers, evenly spaced from the first, at which a forward paces the previous batch's
+    copies (one piece each; ``pieces`` defaults to sink.COPY_PIECES)."""
+    from pipelines.extract.sink import COPY_PIECES
+
+    pieces = min(num_layers, pieces or COPY_PIECES)
+    return tuple(sorted({i * num_layers // pieces for i in range(pieces)}))
 
 
 class UnsupportedModelError(ValueError):
@@ -122,6 +131,11 @@ class HiddenStateCapture:
         self.softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
         self._captured: dict[int | str, torch.Tensor] = {}
         self._handles: list[Any] = []
+        # Called as each pace layer starts, when set: the worker's sink copies a piece of the
+        # previous batch's features there (sink.ShardSink.pace: spread over the forward, the
+        # device-to-host copies do not slow its launches).
+        self.on_pace: Callable[[], None] | None = None
+        self.pace_layers = pace_layers(self.num_layers)
 
     def _attach(self) -> None:
         """Hooks live only for the duration of a call: between calls the model is untouched (a
@@ -133,6 +147,11 @@ class HiddenStateCapture:
                 )
                 self._handles.append(handle)
         self._handles.append(self.parts.final_norm.register_forward_hook(self._norm_hook))
+        if self.on_pace is not None:
+            for layer_id in self.pace_layers:
+                self._handles.append(
+                    self.parts.layers[layer_id].register_forward_pre_hook(self._pace_hook)
+                )
 
     def _pre_hook(self, layer_id: int) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -140,6 +159,10 @@ class HiddenStateCapture:
             self._captured[layer_id] = hidden
 
         return hook
+
+    def _pace_hook(self, module: nn.Module, args: tuple) -> None:
+        if self.on_pace is not None:
+            self.on_pace()
 
     def _norm_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._captured["final"] = output[0] if isinstance(output, tuple) else output
@@ -192,7 +215,9 @@ class HiddenStateCapture:
             features: dict[str, torch.Tensor] = {}
             if self.aux_layer_ids:
                 per_layer = [
-                    valid(final_BTD if is_final_norm_output(i, self.num_layers) else self._captured[i])
+                    valid(
+                        final_BTD if is_final_norm_output(i, self.num_layers) else self._captured[i]
+                    )
                     for i in self.aux_layer_ids
                 ]
                 features[AUX_FEATURE] = torch.stack(per_layer, dim=1)  # [N, K, H]

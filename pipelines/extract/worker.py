@@ -335,8 +335,14 @@ class ExtractionWorker:
                 storage_options=self.spec.storage_options,
             )
             sink = ShardSink(
-                writer, self.device, pool=self.host_buffers, max_pending_batches=MAX_PENDING_BATCHES
+                writer,
+                self.device,
+                pool=self.host_buffers,
+                max_pending_batches=MAX_PENDING_BATCHES,
+                copy_pieces=len(self.capture.pace_layers),
             )
+            if self.device.type == "cuda":
+                self.capture.on_pace = sink.pace  # this unit's copies ride its next forwards
             try:
                 for batch in batches:
                     failed = False
@@ -377,6 +383,12 @@ class ExtractionWorker:
             except BaseException:
                 sink.abort()
                 raise
+            finally:
+                # The last batch has no next forward in this unit: its copy goes now, in one
+                # piece, and the next unit's forwards pace only its own batches.
+                self.capture.on_pace = None
+            if self.device.type == "cuda":
+                sink.flush_copies()
             compute_seconds = time.perf_counter() - compute_start
             compute_ended_at = time.time()
         try:

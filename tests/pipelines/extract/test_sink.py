@@ -53,11 +53,26 @@ def test_acquire_stops_waiting_when_told() -> None:
         pool.acquire(8, writer_failed)
 
 
-def write_through_sink(store: Path, device: torch.device, batches: list[tuple[list[SampleRow], dict[str, torch.Tensor]]]) -> None:
+def write_through_sink(
+    store: Path,
+    device: torch.device,
+    batches: list[tuple[list[SampleRow], dict[str, torch.Tensor]]],
+    *,
+    pace_points: int = 0,
+    copy_pieces: int = 4,
+) -> None:
+    """``pace_points``: calls of ``sink.pace()`` between batches, each after some GPU work, as the
+    next forward's pace layers make them (0: never paced, every copy goes when the next is submitted)."""
     pool = HostBufferPool(FEATURES, 64, 3, pin=device.type == "cuda")
-    sink = ShardSink(ShardWriter(store, "u000000", FEATURES), device, pool=pool, max_pending_batches=1)
+    sink = ShardSink(ShardWriter(store, "u000000", FEATURES), device, pool=pool, max_pending_batches=1, copy_pieces=copy_pieces)
+    work = torch.randn(512, 512, device=device)
     for rows, features in batches:
+        for _ in range(pace_points):
+            work = torch.tanh(work @ work)  # a "layer" of the next forward
+            sink.pace()
         sink.submit(rows, {name: values.to(device) for name, values in features.items()})
+    if device.type == "cuda":
+        sink.flush_copies()
     record = sink.finish()
     assert sink.write_seconds > 0
     commit_shards(str(store), [record], features=FEATURES, lineage=Lineage())
@@ -118,6 +133,20 @@ def test_gpu_sink_encodes_on_the_device_and_stores_the_cpu_encoders_bits(tmp_pat
         np.testing.assert_array_equal(got[name], want[name])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(("pace_points", "copy_pieces"), [(3, 3), (4, 4), (2, 4), (6, 4), (4, 50)])
+def test_gpu_sink_copies_in_paced_pieces_and_stores_the_cpu_encoders_bits(
+    tmp_path: Path, pace_points: int, copy_pieces: int
+) -> None:
+    """Pieces of uneven sizes (32 tokens in 3), more pieces than a batch has tokens (50), fewer pace
+    points than pieces (the rest goes at the next submit) and more (the extra ones find nothing)."""
+    batches = make_batches(2)
+    write_through_sink(tmp_path / "store", torch.device("cuda"), batches, pace_points=pace_points, copy_pieces=copy_pieces)
+    got, want = stored_bits(tmp_path / "store"), expected_bits(batches)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
+
+
 def test_preallocated_sets_are_the_ones_handed_out() -> None:
     pool = HostBufferPool(FEATURES, max_tokens=16, num_buffers=2, pin=False)
     pool.preallocate()
@@ -125,3 +154,53 @@ def test_preallocated_sets_are_the_ones_handed_out() -> None:
     for _ in range(2):
         pointers.add(pool.acquire(16)["final_hidden_state"].data_ptr())
     assert len(pointers) == 2 and pool._allocated == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_worker_paces_its_copies_and_stores_what_a_cpu_worker_stores(
+    tiny_qwen3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two units of several batches each: every batch's copy rides the next forward's pace layers,
+    a unit's last batch is copied when its forwards end; the store matches the CPU worker's."""
+    from pipelines.extract.executors import LocalExecutor
+    from pipelines.extract.worker import WorkerSpec, WorkUnit
+    from tests.pipelines.extract.helpers import relative_error
+
+    paced_with_work: list[int] = []  # pace points that found a pending copy
+    pace = ShardSink.pace
+
+    def counted_pace(self: ShardSink) -> None:
+        paced_with_work.extend([1] if self._copies else [])
+        pace(self)
+
+    monkeypatch.setattr(ShardSink, "pace", counted_pace)
+    rng = np.random.default_rng(3)
+    rows = [
+        SampleRow(f"s{i}", f"r{i}", rng.integers(3, 8192, n).astype(np.int32), np.ones(n, np.uint8))
+        for i, n in enumerate(rng.integers(20, 120, 24))
+    ]
+    units = [WorkUnit(0, tuple(rows[:12])), WorkUnit(1, tuple(rows[12:]))]
+    features = (FeatureSpec(name="aux_hidden_states", shape=(2, 64)), FeatureSpec(name="final_hidden_state", shape=(64,)))
+    stores = {}
+    for device in ("cpu", "cuda"):
+        store = tmp_path / device
+        spec = WorkerSpec(target=str(tiny_qwen3), store=str(store), features=features, aux_layer_ids=(1, 3),
+                          dtype="float32", device=device, token_budget=256, max_length=128)
+        executor = LocalExecutor(spec)
+        results: list = []
+        executor.run(units, results.append)
+        executor.close()
+        assert len(results) == 2 and all(r.num_batches > 2 for r in results)
+        if device == "cuda":
+            assert executor.worker.capture.pace_layers == (0, 1, 2, 3)
+            # Each forward but a unit's first paces the batch before it, in 4 pieces.
+            assert len(paced_with_work) == 4 * sum(r.num_batches - 1 for r in results)
+        commit_shards(str(store), [r.record for r in results], features=list(features), lineage=Lineage())
+        stores[device] = hsstore.open_store(str(store))
+    cpu, gpu = stores["cpu"], stores["cuda"]
+    assert cpu.samples["sample_id"].to_pylist() == gpu.samples["sample_id"].to_pylist()
+    for index in range(cpu.num_samples):
+        a, b = cpu.read_sample(index), gpu.read_sample(index)
+        for name in ("aux_hidden_states", "final_hidden_state"):
+            assert relative_error(b[name], a[name]) < 1e-2, (index, name)
