@@ -224,12 +224,30 @@ def _bare_pass(model: torch.nn.Module, units: list[Any], spec: WorkerSpec, devic
     return time.perf_counter() - start
 
 
+class _TimedCapture:
+    """The worker's capture with its calls timed; attributes (the worker sets ``on_pace`` per unit)
+    read from and written to the capture itself."""
+
+    def __init__(self, capture: Any, timed: Any) -> None:
+        object.__setattr__(self, "_capture", capture)
+        object.__setattr__(self, "_timed", timed)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._capture, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._capture, name, value)
+
+
 def extraction_seconds(worker: ExtractionWorker, units: list[Any], spec: WorkerSpec, lineage: Lineage, timeline: ForwardTimeline | None = None) -> tuple[float, list[Any]]:
     """The same units through the extraction worker, each shard committed as it finishes."""
     results: list[Any] = []
     capture = worker.capture
     if timeline is not None:
-        worker.capture = timeline.wrap(capture)
+        worker.capture = _TimedCapture(capture, timeline.wrap(capture))
 
     def commit(result: Any) -> None:
         commit_shards(spec.store, [result.record], features=list(spec.features), lineage=lineage)

@@ -20,6 +20,9 @@ forward (round robin), so a drift of the GPU's clocks falls on all of them alike
 - ``d2h_paced<N>``: the ``d2h`` bytes in ``N`` equal pieces, one issued as every (layers / N)-th
   decoder layer starts (a forward pre-hook records an event there; the piece waits for it), so
   the link is busy in short bursts spread over the forward instead of one 20 ms burst;
+- ``capture``: the extraction's HiddenStateCapture instead of the bare forward (hooks on three aux
+  layers and the final norm, the valid tokens gathered and stacked), no copy; ``capture_d2h`` and
+  ``capture_d2h_paced4``: with the copy as one burst or in 4 paced pieces (what the worker does);
 - ``graph_none`` / ``graph_d2h``: the forward captured once as a CUDA graph and replayed, alone and
   beside the ``d2h`` copy. A graph's kernels are launched from the device, not fetched one by one
   from the host's command buffer over PCIe: if ``d2h`` slows an eager forward but not a graph,
@@ -46,10 +49,11 @@ from typing import Any
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
 VARIANTS = ("none", "d2h", "d2h_half", "h2d", "d2d", "d2h_host_busy", "d2h_serial", "d2h_paced4", "d2h_paced12",
-            "d2h_paced36", "graph_none", "graph_d2h")
+            "d2h_paced36", "capture", "capture_d2h", "capture_d2h_paced4", "graph_none", "graph_d2h")
 FEATURE_VECTORS = 4  # three aux layers and the final state, as the benchmark's recipe stores
 
 
@@ -84,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--cycles", type=int, default=6, help="rounds of every variant (the first is a warm-up)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="a comma-separated subset, in this order")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -109,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def issue_copy(variant: str) -> tuple[Any, Any] | None:
         """The side-stream copy a variant puts beside the next forward (after the previous one)."""
-        if variant in ("none", "d2h_serial", "graph_none") or variant.startswith("d2h_paced"):
+        if variant in ("none", "d2h_serial", "graph_none", "capture") or "paced" in variant:
             return None
         ready = torch.cuda.Event()
         ready.record(compute)
@@ -117,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         with torch.cuda.stream(side):
             side.wait_event(ready)
             start.record(side)
-            if variant in ("d2h", "d2h_host_busy", "graph_d2h"):
+            if variant in ("d2h", "d2h_host_busy", "graph_d2h", "capture_d2h"):
                 pinned.copy_(source, non_blocking=True)
             elif variant == "d2h_half":
                 pinned[: feature_bytes // 2].copy_(source[: feature_bytes // 2], non_blocking=True)
@@ -153,36 +158,49 @@ def main(argv: list[str] | None = None) -> int:
     for index, layer in enumerate(layers):
         layer.register_forward_pre_hook(pace_hook(index))
 
+    from pipelines.extract.capture import HiddenStateCapture
+
+    capture = HiddenStateCapture(model, [2, model.config.num_hidden_layers // 2, model.config.num_hidden_layers - 3],
+                                 pass_attention_mask=False)
+    mask = torch.ones_like(ids)
+    valid = torch.arange(ids.numel(), device=device)
+    wanted = args.variants.split(",")
     graph = None
-    with torch.inference_mode():
-        try:  # warm up on a side stream first, as CUDA graph capture asks
-            with torch.cuda.stream(side):
-                model.model(input_ids=ids, use_cache=False)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                model.model(input_ids=ids, use_cache=False)
-            torch.cuda.synchronize()
-        except Exception as err:  # noqa: BLE001 - the graph variants are optional
-            print(f"no CUDA graph of the forward ({type(err).__name__}: {err}); graph variants skipped", file=sys.stderr)
-            graph = None
-    variants = [v for v in VARIANTS if graph is not None or not v.startswith("graph")]
+    if any(v.startswith("graph") for v in wanted):
+        with torch.inference_mode():
+            try:  # warm up on a side stream first, as CUDA graph capture asks
+                with torch.cuda.stream(side):
+                    model.model(input_ids=ids, use_cache=False)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    model.model(input_ids=ids, use_cache=False)
+                torch.cuda.synchronize()
+            except Exception as err:  # noqa: BLE001 - the graph variants are optional
+                print(f"no CUDA graph of the forward ({type(err).__name__}: {err}); graph variants skipped", file=sys.stderr)
+                graph = None
+    variants = [v for v in VARIANTS if v in wanted and (graph is not None or not v.startswith("graph"))]
     forward_ms = {v: forward_ms[v] for v in variants}
 
     with torch.inference_mode():
         for cycle in range(args.cycles):
+            timed: list[tuple[str, Any, Any, list[Any], Any]] = []
             for variant in variants:
-                torch.cuda.synchronize()
+                # No synchronisation between forwards (the worker's host runs ~0.5 s ahead of the
+                # GPU); only the host-load variant needs its threads busy while its forward runs.
                 if variant == "d2h_host_busy":
+                    torch.cuda.synchronize()
                     host_load.on.set()
                     time.sleep(0.05)
                 copy_events = issue_copy(variant)
-                paced["pieces"] = int(variant.removeprefix("d2h_paced")) if variant.startswith("d2h_paced") else 0
+                paced["pieces"] = int(variant.split("paced")[1]) if "paced" in variant else 0
                 paced["events"] = []
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record(compute)
                 if variant.startswith("graph"):
                     graph.replay()
+                elif variant.startswith("capture"):
+                    capture(ids, mask, valid)
                 else:
                     model.model(input_ids=ids, use_cache=False)
                 if variant == "d2h_serial":
@@ -191,19 +209,23 @@ def main(argv: list[str] | None = None) -> int:
                     pinned.copy_(source, non_blocking=True)
                     copy_events = (serial_start, None)
                 end.record(compute)
-                torch.cuda.synchronize()
-                host_load.on.clear()
-                if cycle == 0:
-                    continue  # warm-up round
+                if variant == "d2h_host_busy":
+                    torch.cuda.synchronize()
+                    host_load.on.clear()
+                timed.append((variant, start, end, paced["events"], copy_events))
+            torch.cuda.synchronize()
+            if cycle == 0:
+                continue  # warm-up round
+            for variant, start, end, pieces, copy_events in timed:
                 forward_ms[variant].append(start.elapsed_time(end))
-                if paced["events"]:  # the pieces' summed GPU time
-                    copy_ms[variant].append(sum(a.elapsed_time(b) for a, b in paced["events"]))
+                if pieces:  # the pieces' summed GPU time
+                    copy_ms[variant].append(sum(a.elapsed_time(b) for a, b in pieces))
                 if copy_events is not None:
                     copy_start, copy_end = copy_events
                     copy_ms[variant].append(copy_start.elapsed_time(copy_end if copy_end is not None else end))
     host_load.close()
     base = statistics.median(forward_ms["none"])
-    graph_base = statistics.median(forward_ms["graph_none"]) if graph is not None else None
+    graph_base = statistics.median(forward_ms["graph_none"]) if "graph_none" in forward_ms else None
     rows = []
     for variant in variants:
         median = statistics.median(forward_ms[variant])
