@@ -112,26 +112,28 @@ def main(argv: list[str] | None = None) -> int:
     forward_ms: dict[str, list[float]] = {v: [] for v in VARIANTS}
     copy_ms: dict[str, list[float]] = {v: [] for v in VARIANTS}
 
-    def issue_copy(variant: str) -> tuple[Any, Any] | None:
-        """The side-stream copy a variant puts beside the next forward (after the previous one)."""
-        if variant in ("none", "d2h_serial", "graph_none", "capture") or "paced" in variant:
-            return None
+    def side_copy(target: torch.Tensor, data: torch.Tensor) -> tuple[Any, Any]:
+        """``target.copy_(data)`` on the side stream after what the compute stream has queued so
+        far; returns its timing events."""
         ready = torch.cuda.Event()
         ready.record(compute)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(side):
             side.wait_event(ready)
             start.record(side)
-            if variant in ("d2h", "d2h_host_busy", "graph_d2h", "capture_d2h"):
-                pinned.copy_(source, non_blocking=True)
-            elif variant == "d2h_half":
-                pinned[: feature_bytes // 2].copy_(source[: feature_bytes // 2], non_blocking=True)
-            elif variant == "h2d":
-                device_target.copy_(pinned_src, non_blocking=True)
-            elif variant == "d2d":
-                device_target.copy_(source, non_blocking=True)
+            target.copy_(data, non_blocking=True)
             end.record(side)
         return start, end
+
+    # The side-stream copy a variant puts beside its forward (after the previous forward).
+    copies = {
+        "d2h": (pinned, source), "d2h_host_busy": (pinned, source), "graph_d2h": (pinned, source),
+        "capture_d2h": (pinned, source), "d2h_half": (pinned[: feature_bytes // 2], source[: feature_bytes // 2]),
+        "h2d": (device_target, pinned_src), "d2d": (device_target, source),
+    }
+
+    def issue_copy(variant: str) -> tuple[Any, Any] | None:
+        return side_copy(*copies[variant]) if variant in copies else None
 
     layers = model.model.layers
     paced = {"pieces": 0, "events": []}
@@ -142,16 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             if not pieces or index % (len(layers) // pieces) or index // (len(layers) // pieces) >= pieces:
                 return
             piece = index // (len(layers) // pieces)
-            size = feature_bytes // pieces
-            ready = torch.cuda.Event()
-            ready.record(compute)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(side):
-                side.wait_event(ready)
-                start.record(side)
-                pinned[piece * size : (piece + 1) * size].copy_(source[piece * size : (piece + 1) * size], non_blocking=True)
-                end.record(side)
-            paced["events"].append((start, end))
+            rows = slice(piece * (feature_bytes // pieces), (piece + 1) * (feature_bytes // pieces))
+            paced["events"].append(side_copy(pinned[rows], source[rows]))
 
         return hook
 
