@@ -69,6 +69,11 @@ extract-ray)
   # latter on the CLI's batch plan (length-sorted windows) in the same call, e.g. before the above:
   #   python3 benchmarks/bench_extract.py --models qwen3-8b --codec bf16 --no-attention-mask \
   #       --tokens 786432 --repeats 2 --gpu-timeline --sort-window-tokens 4194304 --out $OUT/abba-sorted.json
+  # (11:09 UTC: 95.0% with sorted batches; the forwards' excess was the copies' burst, now paced.)
+  # What a copy beside a forward costs it, variant by variant (RESULTS.md, 11:18-11:50 UTC):
+  #   python3 benchmarks/profile_copy_contention.py --cycles 7 --out $OUT/copy-contention.json
+  # The forwards' remaining ~1%: the same ABBA with the store in memory (no disk) beside the disk run:
+  #   ... bench_extract.py ... --store-dir /dev/shm   vs   --store-dir /tmp
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c 'import torch, transformers, sys; print(sys.version.split()[0], torch.__version__, transformers.__version__)'; nproc; df -h /tmp | tail -n 1; } | tee "$OUT/machine.txt"
   python3 benchmarks/bench_extract_ray.py run --out "$OUT" --work /tmp/hsstore-work/extract-ray ${EXTRACT_RAY_ARGS:-} 2>&1 | tail -n 40
   # The GPU-marked tests of this work (GPU fp8 encode == CPU bits, the pinned pool, a 2-GPU split).
