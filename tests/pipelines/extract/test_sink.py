@@ -158,11 +158,15 @@ def test_preallocated_sets_are_the_ones_handed_out() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("gpus", [1, 2])
 def test_a_cuda_worker_paces_its_copies_and_stores_what_a_cpu_worker_stores(
-    tiny_qwen3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_qwen3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpus: int
 ) -> None:
     """Two units of several batches each: every batch's copy rides the next forward's pace layers,
-    a unit's last batch is copied when its forwards end; the store matches the CPU worker's."""
+    a unit's last batch is copied when its forwards end; the store matches the CPU worker's. With 2
+    GPUs the target is split (placement.py): pace layers on the first GPU, copies from the second."""
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs")
     from pipelines.extract.executors import LocalExecutor
     from pipelines.extract.worker import WorkerSpec, WorkUnit
     from tests.pipelines.extract.helpers import relative_error
@@ -186,7 +190,8 @@ def test_a_cuda_worker_paces_its_copies_and_stores_what_a_cpu_worker_stores(
     for device in ("cpu", "cuda"):
         store = tmp_path / device
         spec = WorkerSpec(target=str(tiny_qwen3), store=str(store), features=features, aux_layer_ids=(1, 3),
-                          dtype="float32", device=device, token_budget=256, max_length=128)
+                          dtype="float32", device=device, token_budget=256, max_length=128,
+                          num_gpus=gpus if device == "cuda" else 1)
         executor = LocalExecutor(spec)
         results: list = []
         executor.run(units, results.append)
