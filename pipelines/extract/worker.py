@@ -285,8 +285,6 @@ class ExtractionWorker:
                     "batching.token_budget (or batching.max_length), or use a larger device"
                 ) from err
             raise ExtractionError(f"the target failed its warm-up batch: {_describe(err)}") from err
-        finally:
-            del ids_BT
         seconds = time.perf_counter() - start
         logger.info("warmed up on a %d x %d batch in %.2f s", rows, length, seconds)
         return seconds
