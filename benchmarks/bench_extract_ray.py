@@ -23,6 +23,13 @@ starts from a clean device:
 The JSON files are rewritten after every step, so a run cut short keeps what it measured; no step
 starts after ``--deadline-s``.
 
+``--sequence bare,fp8-1,bare,fp8-1-shm,bare`` runs steps in exactly that order instead (after
+``prepare`` and the disk test): the bare forward between the extraction runs, so that each run is
+compared with the bare passes on either side of it (the GPU's clocks drift by 1-1.5% over a call;
+a single bare pass before the runs cannot resolve 97% from 95%). A ``-shm`` run writes its store
+under /dev/shm (memory, no disk): beside the same run on disk it shows what the disk's writes cost
+the forwards. The JSON's ``sequence`` lists every step; ``sequence_ratios`` each run's ratios.
+
 Tokens/s are the real (unpadded) tokens over the extraction's own timer (the summary's
 ``extract_seconds``: from the first unit handed out to the last commit, actors already started and
 models loaded); the bare forward's are the same tokens over its forward time.
@@ -137,7 +144,7 @@ def write_recipe(
     recipe: dict[str, Any] = {
         "target": str(work / "target"),
         "data": [str(work / "records.jsonl")],
-        "store": str(work / "stores" / name),
+        "store": str(store_path(args, name)),
         "limit": limit,
         "executor": executor or args.executor,
         "model": {"dtype": "bfloat16", "device": "auto" if args.device == "cuda" else "cpu"},
@@ -157,9 +164,17 @@ def write_recipe(
     return path
 
 
+SHM_STORES = Path("/dev/shm/hsstore-bench-stores")
+
+
+def store_path(args: argparse.Namespace, name: str) -> Path:
+    """Where run ``name`` writes its store: the work folder's disk, or memory for a ``-shm`` run."""
+    return SHM_STORES / name if name.endswith("-shm") else Path(args.work) / "stores" / name
+
+
 def extract(args: argparse.Namespace, name: str, **settings: Any) -> dict[str, Any]:
     recipe = write_recipe(args, name, **settings)
-    shutil.rmtree(Path(args.work) / "stores" / name, ignore_errors=True)
+    shutil.rmtree(store_path(args, name), ignore_errors=True)
     log(f"extract {name} ({settings})")
     start = time.perf_counter()
     done = subprocess.run(
@@ -175,7 +190,8 @@ def extract(args: argparse.Namespace, name: str, **settings: Any) -> dict[str, A
     log(f"  {summary['tokens_per_second']:,.0f} tok/s, padding {100 * summary['padding_waste']:.2f}%, "
         f"writer busy {100 * summary['writer_busy_fraction']:.0f}%, {summary['write_gb_per_s']:.2f} GB/s written, "
         f"forwards {100 * summary['compute_busy_fraction']:.1f}% of {summary['extract_seconds']:.1f} s "
-        f"(head {summary['head_seconds']:.2f} s, tail {summary['tail_seconds']:.2f} s, "
+        f"(head {summary['head_seconds']:.2f} s, tail {summary['tail_seconds']:.2f} s, of it "
+        f"{summary.get('tail_after_landed_seconds', 0):.2f} s after the last features landed, "
         f"waiting for host buffers {summary['pool_wait_seconds']:.2f} s), "
         f"{summary['process_seconds']:.0f} s in all")
     return summary
@@ -363,6 +379,13 @@ def run(args: argparse.Namespace) -> None:
             log(f"{name} failed: {err}")
         write_outputs(args, state, started)
 
+    if args.sequence:
+        run_sequence(args, state, attempt)
+        shutil.rmtree(work / "stores", ignore_errors=True)
+        shutil.rmtree(SHM_STORES, ignore_errors=True)
+        write_outputs(args, state, started)
+        print(sequence_table(state))
+        return
     attempt("bare", lambda: state.update(bare=step(args, "bare")))
     # "-local": the same extraction in the driver's process (executor=local), to tell what Ray costs.
     plan = [("bf16-1", "bf16", 1), ("fp8-1", "fp8_e4m3", 1), ("bf16-1-local", "bf16", 1),
@@ -396,6 +419,78 @@ def run(args: argparse.Namespace) -> None:
         print(table(json.loads((out / "extract-h200.json").read_text()), state["runs"]))
 
 
+def parse_run(name: str) -> tuple[str, int, str | None]:
+    """``fp8-1-local-shm`` -> (codec, actors, executor): the run names of ``--runs``, plus ``-shm``."""
+    parts = name.split("-")
+    codec = {"bf16": "bf16", "fp8": "fp8_e4m3"}.get(parts[0])
+    if codec is None or len(parts) < 2 or not parts[1].isdigit() or not set(parts[2:]) <= {"local", "shm"}:
+        raise SystemExit(f"--sequence: unknown step {name!r} (bare, or e.g. bf16-1, fp8-1-shm, fp8-1-local)")
+    return codec, int(parts[1]), "local" if "local" in parts[2:] else None
+
+
+def run_sequence(args: argparse.Namespace, state: dict[str, Any], attempt: Any) -> None:
+    """The ``--sequence`` steps in order; each extraction run's store is deleted after it."""
+    one_gpu = 1 if args.device == "cuda" else 0
+    steps = args.sequence.split(",")
+    for name in steps:  # every name checked before the first GPU step
+        if name != "bare":
+            parse_run(name)
+    state["sequence"] = []
+    for index, name in enumerate(steps):
+        def do(index: int = index, name: str = name) -> None:
+            if name == "bare":
+                result = step(args, "bare")
+            else:
+                codec, workers, executor = parse_run(name)
+                result = extract(args, name, codec=codec, workers=workers, gpus_per_worker=one_gpu, limit=None,
+                                 executor=executor)
+                shutil.rmtree(store_path(args, name), ignore_errors=True)
+            state["sequence"].append({"index": index, "step": name, **result})
+            if name == "bare" and state["bare"] is None:
+                state["bare"] = result
+        attempt(f"{name} (step {index})", do)
+
+
+def sequence_ratios(state: dict[str, Any]) -> dict[str, list[float]]:
+    """Each extraction run's tokens/s per GPU over the mean of the bare passes just before and
+    after it (one of them where the other did not run), grouped by run name."""
+    done = state.get("sequence") or []
+    ratios: dict[str, list[float]] = {}
+    for position, entry in enumerate(done):
+        if entry["step"] == "bare":
+            continue
+        neighbours = [e for e in (done[position - 1] if position else None,
+                                  done[position + 1] if position + 1 < len(done) else None)
+                      if e is not None and e["step"] == "bare"]
+        if not neighbours:
+            continue
+        bare_tps = sum(e["bare_tokens_per_s"] for e in neighbours) / len(neighbours)
+        workers = parse_run(entry["step"])[1]
+        entry["vs_neighbouring_bare"] = entry["tokens_per_second"] / (workers * bare_tps)
+        # The GPU's part: from the first forward to the last batch's features on the host, against
+        # the bare forward's time for the same tokens (what the tail's host work does not touch).
+        gpu_span = entry["extract_seconds"] - entry["head_seconds"] - entry.get("tail_after_landed_seconds", 0.0)
+        entry["gpu_span_vs_bare"] = gpu_span / (entry["num_tokens_written"] / (workers * bare_tps))
+        ratios.setdefault(entry["step"], []).append(entry["vs_neighbouring_bare"])
+    return ratios
+
+
+def sequence_table(state: dict[str, Any]) -> str:
+    lines = ["| step | tokens/s | vs neighbouring bare | first forward to last features landed, / bare s | "
+             "tail s | of it after the last features landed | writer busy |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for entry in state.get("sequence") or []:
+        if entry["step"] == "bare":
+            lines.append(f"| bare | {entry['bare_tokens_per_s']:,.0f} | | | | | |")
+            continue
+        ratio, span = entry.get("vs_neighbouring_bare"), entry.get("gpu_span_vs_bare")
+        lines.append(
+            f"| {entry['step']} | {entry['tokens_per_second']:,.0f} | {'' if ratio is None else f'{ratio:.3f}'} | "
+            f"{'' if span is None else f'{span:.3f}'} | {entry.get('tail_seconds', 0):.2f} | "
+            f"{entry.get('tail_after_landed_seconds', 0):.2f} | {100 * entry['writer_busy_fraction']:.0f}% |")
+    return "\n".join(lines)
+
+
 def write_outputs(args: argparse.Namespace, state: dict[str, Any], started: float) -> None:
     """extract-h200.json (issue 13's keys) and split-target.json (issue 16's) from what ran so far."""
     out = Path(args.out)
@@ -405,6 +500,8 @@ def write_outputs(args: argparse.Namespace, state: dict[str, Any], started: floa
         return runs[name]["tokens_per_second"] if name in runs else None
 
     bare_runs = [b["bare_tokens_per_s"] for b in (bare, state.get("bare_after")) if b]
+    if state.get("sequence"):
+        bare_runs = [e["bare_tokens_per_s"] for e in state["sequence"] if e["step"] == "bare"]
     bare_tps = sum(bare_runs) / len(bare_runs) if bare_runs else None
     results = {
         "bare_tokens_per_s": bare_tps,
@@ -431,6 +528,8 @@ def write_outputs(args: argparse.Namespace, state: dict[str, Any], started: floa
         "bare_after": state.get("bare_after"),
         "bare_runs_tokens_per_s": bare_runs,
         "runs": runs,
+        "sequence_ratios": sequence_ratios(state),
+        "sequence": state.get("sequence"),
         "settings": settings_of(args),
         "machine": state["machine"],
         "command": " ".join([os.path.relpath(sys.argv[0], REPO_ROOT), *sys.argv[1:]]),
@@ -535,6 +634,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="which extraction runs (a long run splits over two device calls, the bare forward runs in each); "
                         "bf16-1-local / fp8-1-local: in process (executor=local)")
     parser.add_argument("--bare-after", action="store_true", help="run the bare forward again after the extraction runs")
+    parser.add_argument("--sequence", default=None,
+                        help="steps in this order instead of --runs, e.g. bare,fp8-1,bare,fp8-1-shm,bare "
+                        "(each run compared with the bare passes beside it; -shm: the store in /dev/shm)")
     args = parser.parse_args(argv)
     {"run": run, "prepare": prepare, "bare": bare, "compare": compare}[args.command](args)
     return 0

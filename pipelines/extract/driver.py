@@ -271,7 +271,7 @@ def _run_units(
     )
     start = time.perf_counter()
     started_at = time.time()
-    forward_span = [float("inf"), 0.0]  # first forward start, last forward end (wall clock)
+    forward_span = [float("inf"), 0.0, 0.0]  # first forward start, last forward end, last features on the host (wall clock)
     units_done = summary.num_units_skipped
     todo_by_index: dict[int, WorkUnit] = {}  # handed out, not yet committed
 
@@ -303,6 +303,7 @@ def _run_units(
         summary.pool_wait_seconds += result.pool_wait_seconds
         forward_span[0] = min(forward_span[0], result.compute_started_at)
         forward_span[1] = max(forward_span[1], result.compute_ended_at)
+        forward_span[2] = max(forward_span[2], result.landed_at)
         already_shown = min(shown_uncommitted, result.num_tokens)
         shown_uncommitted -= already_shown
         bar.update(result.num_tokens - already_shown)
@@ -319,7 +320,10 @@ def _run_units(
         summary.extract_seconds = time.perf_counter() - start
         if forward_span[1]:
             summary.head_seconds = max(0.0, forward_span[0] - started_at)
-            summary.tail_seconds = max(0.0, time.time() - forward_span[1])
+            ended = time.time()
+            summary.tail_seconds = max(0.0, ended - forward_span[1])
+            if forward_span[2]:
+                summary.tail_after_landed_seconds = max(0.0, ended - forward_span[2])
         bar.close()
         executor.close()
 

@@ -198,6 +198,10 @@ class ShardSink:
         # The forwards' thread waiting for a free set of host buffers: back-pressure from the
         # writer (every set queued or being written), time the GPU may run dry.
         self.pool_wait_seconds = 0.0
+        # Wall clock (time.time()) when the writer saw the latest batch's features on the host: on
+        # a GPU, the end of that batch's forward and copy (the host launches ~0.5 s ahead of the
+        # GPU, so the forward loop's own end says little about when the GPU was done).
+        self.landed_at = 0.0
 
     def submit(self, rows: Sequence[SampleRow], features: dict[str, torch.Tensor]) -> None:
         """Queue one batch: ``rows`` in packed order, ``features[name]`` ``[sum(T_i), ...]``."""
@@ -316,6 +320,7 @@ class ShardSink:
                     )
             copy.done.synchronize()
             self.wait_seconds += time.perf_counter() - start
+        self.landed_at = time.time()
         start = time.perf_counter()
         if host_features is not None:
             encoded = {}

@@ -48,6 +48,10 @@ class ExtractionSummary:
     pool_wait_seconds: float = 0.0  # of compute_seconds: waiting for free host buffers (writer back-pressure)
     head_seconds: float = 0.0
     tail_seconds: float = 0.0
+    # Of the tail: from the last batch's features on the host (the GPU's work done) to the end:
+    # the host's part (the last writes, the shard's finish and commit); the rest of the tail is
+    # the GPU still running the forwards the host had queued ahead.
+    tail_after_landed_seconds: float = 0.0
 
     @property
     def num_rejected(self) -> int:

@@ -107,6 +107,8 @@ class UnitResult:
     # waited for its first unit and how long the last shard took to finish after its forwards.
     compute_started_at: float = 0.0
     compute_ended_at: float = 0.0
+    # When the unit's last batch was on the host (its forward and copy done on the GPU).
+    landed_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -408,6 +410,7 @@ class ExtractionWorker:
             pool_wait_seconds=sink.pool_wait_seconds,
             compute_started_at=compute_started_at,
             compute_ended_at=compute_ended_at,
+            landed_at=sink.landed_at,
             rejected=tuple(_rejected_sample(unit, i, error) for i, error in sorted(failures)),
         )
 

@@ -40,6 +40,8 @@ def test_store_equals_plain_forward(fixture: str, request: pytest.FixtureRequest
     assert 0 < summary.compute_busy_fraction <= 1
     assert summary.head_seconds >= 0 and summary.tail_seconds >= 0
     assert summary.head_seconds + summary.tail_seconds < summary.extract_seconds
+    # The last batch's features reached the host after the first forward and before the end.
+    assert 0 < summary.tail_after_landed_seconds < summary.extract_seconds - summary.head_seconds
     assert "forwards" in summary.format()
     store = hsstore.open_store(recipe.store)
     assert store.lineage.aux_layer_ids == [0, 2, 4]
