@@ -252,6 +252,8 @@ def bare(args: argparse.Namespace) -> None:
         input_ids, _ = collate([r.input_ids for r in unit.rows], batch, pad)
         model.model(input_ids=torch.from_numpy(input_ids).to(device, non_blocking=True), use_cache=False)
 
+    events: list[tuple[Any, Any]] = []
+
     @torch.inference_mode()
     def timed() -> float:
         for unit, batch in batches[:2]:
@@ -260,7 +262,12 @@ def bare(args: argparse.Namespace) -> None:
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         for unit, batch in batches:
+            if device.type == "cuda":  # as the worker times its forwards (worker._GpuTimeline)
+                events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+                events[-1][0].record()
             forward(unit, batch)
+            if device.type == "cuda":
+                events[-1][1].record()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
@@ -279,6 +286,9 @@ def bare(args: argparse.Namespace) -> None:
         "num_batches": len(batches),
         "padding_fraction": padding_waste([b for _, b in batches]),
     }
+    if events:  # the GPU's time in the forwards and between them, as the extraction reports it
+        result["gpu_forward_seconds"] = sum(a.elapsed_time(b) for a, b in events) / 1e3
+        result["gpu_between_seconds"] = sum(events[i - 1][1].elapsed_time(events[i][0]) for i in range(1, len(events))) / 1e3
     log(f"bare: {result['bare_tokens_per_s']:,.0f} tok/s over {num_tokens:,} tokens, padding {100 * result['padding_fraction']:.2f}%")
     print(json.dumps(result))
 
@@ -471,23 +481,34 @@ def sequence_ratios(state: dict[str, Any]) -> dict[str, list[float]]:
         # the bare forward's time for the same tokens (what the tail's host work does not touch).
         gpu_span = entry["extract_seconds"] - entry["head_seconds"] - entry.get("tail_after_landed_seconds", 0.0)
         entry["gpu_span_vs_bare"] = gpu_span / (entry["num_tokens_written"] / (workers * bare_tps))
+        bare_gpu = [e["gpu_forward_seconds"] for e in neighbours if e.get("gpu_forward_seconds")]
+        if entry.get("gpu_forward_seconds") and bare_gpu:  # the forwards' own GPU time, summed
+            entry["gpu_forward_vs_bare"] = entry["gpu_forward_seconds"] / (workers * sum(bare_gpu) / len(bare_gpu))
         ratios.setdefault(entry["step"], []).append(entry["vs_neighbouring_bare"])
     return ratios
 
 
+def fmt(value: float | None, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
 def sequence_table(state: dict[str, Any]) -> str:
     lines = ["| step | tokens/s | vs neighbouring bare | first forward to last features landed, / bare s | "
-             "tail s | of it after the last features landed | writer busy |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "tail s | of it after the last features landed | GPU in forwards / bare | GPU between forwards s | writer busy |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for entry in state.get("sequence") or []:
         if entry["step"] == "bare":
-            lines.append(f"| bare | {entry['bare_tokens_per_s']:,.0f} | | | | | |")
+            gpu = entry.get("gpu_forward_seconds")
+            between = entry.get("gpu_between_seconds")
+            lines.append(f"| bare | {entry['bare_tokens_per_s']:,.0f} | | | | | "
+                         f"{'' if gpu is None else f'{gpu:.2f} s'} | {'' if between is None else f'{between:.2f}'} | |")
             continue
         ratio, span = entry.get("vs_neighbouring_bare"), entry.get("gpu_span_vs_bare")
         lines.append(
             f"| {entry['step']} | {entry['tokens_per_second']:,.0f} | {'' if ratio is None else f'{ratio:.3f}'} | "
             f"{'' if span is None else f'{span:.3f}'} | {entry.get('tail_seconds', 0):.2f} | "
-            f"{entry.get('tail_after_landed_seconds', 0):.2f} | {100 * entry['writer_busy_fraction']:.0f}% |")
+            f"{entry.get('tail_after_landed_seconds', 0):.2f} | {fmt(entry.get('gpu_forward_vs_bare'), '.3f')} | "
+            f"{fmt(entry.get('gpu_between_seconds'), '.2f')} | {100 * entry['writer_busy_fraction']:.0f}% |")
     return "\n".join(lines)
 
 

@@ -301,6 +301,8 @@ def _run_units(
         summary.copy_wait_seconds += result.copy_wait_seconds
         summary.compute_seconds += result.compute_seconds
         summary.pool_wait_seconds += result.pool_wait_seconds
+        summary.gpu_forward_seconds += result.gpu_forward_seconds
+        summary.gpu_between_seconds += result.gpu_between_seconds
         forward_span[0] = min(forward_span[0], result.compute_started_at)
         forward_span[1] = max(forward_span[1], result.compute_ended_at)
         forward_span[2] = max(forward_span[2], result.landed_at)

@@ -52,6 +52,11 @@ class ExtractionSummary:
     # the host's part (the last writes, the shard's finish and commit); the rest of the tail is
     # the GPU still running the forwards the host had queued ahead.
     tail_after_landed_seconds: float = 0.0
+    # On GPUs (one per worker), from CUDA events, summed over units: the devices' time in the
+    # forwards and between consecutive forwards (idle, or the fp8 encode). Host timers cannot tell
+    # these apart: the host queues work ~0.5 s ahead of the GPU.
+    gpu_forward_seconds: float = 0.0
+    gpu_between_seconds: float = 0.0
 
     @property
     def num_rejected(self) -> int:
@@ -138,4 +143,9 @@ class ExtractionSummary:
             f"(first unit after {self.head_seconds:.1f} s, last shard done {self.tail_seconds:.1f} s "
             "after its forwards)",
         ]
+        if self.gpu_forward_seconds:
+            lines.append(
+                f"GPU              {self.gpu_forward_seconds:.1f} s in forwards, "
+                f"{self.gpu_between_seconds:.2f} s between them (summed over workers)"
+            )
         return "\n".join(lines)

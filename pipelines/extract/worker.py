@@ -17,10 +17,11 @@ runs unless a batch failed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,6 +110,11 @@ class UnitResult:
     compute_ended_at: float = 0.0
     # When the unit's last batch was on the host (its forward and copy done on the GPU).
     landed_at: float = 0.0
+    # On a GPU, from CUDA events around each forward: the device's time in the unit's forwards,
+    # and its time between them (from the previous forward's end, the previous unit's included):
+    # idle, or running what the extraction adds between forwards (the fp8 encode).
+    gpu_forward_seconds: float = 0.0
+    gpu_between_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -218,6 +224,7 @@ class ExtractionWorker:
             )
         )
         self._compute_lock = threading.Lock()
+        self._last_forward_end: torch.cuda.Event | None = None  # the previous unit's, on a GPU
         # Pinned host buffers for the device-to-host copies, shared by the units in flight: as
         # many as the sink's queue holds plus the one being written and the one being copied.
         self.host_buffers = HostBufferPool(
@@ -325,6 +332,8 @@ class ExtractionWorker:
         )
         kept: list[Batch] = []  # the forwards whose features went to the shard
         failures: list[tuple[int, str]] = []  # (position in the unit, the error) of left-out rows
+        # One GPU only: a target split over several has its forwards on more than one stream.
+        timeline = _GpuTimeline(self.device if self.input_device == self.device else None)
         with self._compute_lock:
             compute_start = time.perf_counter()
             compute_started_at = time.time()
@@ -347,7 +356,8 @@ class ExtractionWorker:
                 for batch in batches:
                     failed = False
                     try:
-                        features = self._forward(token_ids, batch)
+                        with timeline.forward():
+                            features = self._forward(token_ids, batch)
                     except Exception as err:
                         self._raise_if_device_broken(unit, batch, err)
                         logger.warning(
@@ -391,11 +401,15 @@ class ExtractionWorker:
                 sink.flush_copies()
             compute_seconds = time.perf_counter() - compute_start
             compute_ended_at = time.time()
+            previous_end = self._last_forward_end
+            self._last_forward_end = timeline.last_end or previous_end
         try:
             record = sink.finish()
         except BaseException:
             sink.abort()
             raise
+        # Every copy is done, so every forward the unit's events enclose is over.
+        gpu_forward_seconds, gpu_between_seconds = timeline.seconds(previous_end)
         return UnitResult(
             unit_index=unit.index,
             record=record,
@@ -411,6 +425,8 @@ class ExtractionWorker:
             compute_started_at=compute_started_at,
             compute_ended_at=compute_ended_at,
             landed_at=sink.landed_at,
+            gpu_forward_seconds=gpu_forward_seconds,
+            gpu_between_seconds=gpu_between_seconds,
             rejected=tuple(_rejected_sample(unit, i, error) for i, error in sorted(failures)),
         )
 
@@ -490,6 +506,45 @@ class ExtractionWorker:
 
     def close(self) -> None:
         self.capture.close()
+
+
+class _GpuTimeline:
+    """CUDA events around a unit's forwards (nothing on a CPU): how long the GPU spent in them and
+    between them. The host queues work ~0.5 s ahead of the GPU, so host timers cannot tell a slow
+    forward from an idle GPU; events on the compute stream can. Read only once the unit's copies
+    are done (its events are then complete), so reading never stalls the forwards."""
+
+    def __init__(self, device: torch.device | None):
+        self.enabled = device is not None and device.type == "cuda"
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        self.events.append((start, end))
+
+    @property
+    def last_end(self) -> torch.cuda.Event | None:
+        return self.events[-1][1] if self.events else None
+
+    def seconds(self, previous_end: torch.cuda.Event | None) -> tuple[float, float]:
+        """(in the forwards, between them): the gap before the first counts from ``previous_end``,
+        the previous unit's last forward (none for a worker's first unit)."""
+        forward_ms = between_ms = 0.0
+        if self.events:
+            self.events[-1][1].synchronize()  # done already (the copies were); cheap insurance
+        for start, end in self.events:
+            if previous_end is not None:
+                between_ms += previous_end.elapsed_time(start)
+            forward_ms += start.elapsed_time(end)
+            previous_end = end
+        return forward_ms / 1e3, between_ms / 1e3
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

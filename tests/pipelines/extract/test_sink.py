@@ -201,6 +201,14 @@ def test_a_cuda_worker_paces_its_copies_and_stores_what_a_cpu_worker_stores(
             assert executor.worker.capture.pace_layers == (0, 1, 2, 3)
             # Each forward but a unit's first paces the batch before it, in 4 pieces.
             assert len(paced_with_work) == 4 * sum(r.num_batches - 1 for r in results)
+            # The GPU timeline (CUDA events around each forward): one GPU only.
+            if gpus == 1:
+                assert all(r.gpu_forward_seconds > 0 for r in results)
+                assert results[0].gpu_between_seconds > 0 and results[1].gpu_between_seconds > 0
+            else:
+                assert all(r.gpu_forward_seconds == 0 for r in results)
+        else:
+            assert all(r.gpu_forward_seconds == 0 == r.gpu_between_seconds for r in results)
         commit_shards(str(store), [r.record for r in results], features=list(features), lineage=Lineage())
         stores[device] = hsstore.open_store(str(store))
     cpu, gpu = stores["cpu"], stores["cuda"]
