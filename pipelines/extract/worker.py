@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -223,7 +223,8 @@ class ExtractionWorker:
                 trust_remote_code=spec.trust_remote_code,
             )
         )
-        self._compute_lock = threading.Lock()
+        # Every forward (the warm-up's included) runs on this one thread: _on_compute_thread.
+        self._compute_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forwards")
         self._last_forward_end: torch.cuda.Event | None = None  # the previous unit's, on a GPU
         # Pinned host buffers for the device-to-host copies, shared by the units in flight: as
         # many as the sink's queue holds plus the one being written and the one being copied.
@@ -246,7 +247,9 @@ class ExtractionWorker:
                 getattr(getattr(self.model, "config", None), "model_type", None),
             ),
         )
-        self.warmup_seconds = self.warm_up() if self.device.type == "cuda" else 0.0
+        self.warmup_seconds = (
+            self._on_compute_thread(self.warm_up) if self.device.type == "cuda" else 0.0
+        )
 
     def warm_shape(self) -> tuple[int, int]:
         """``(rows, length)`` of the warm-up batch: the largest batch the plan can make, as many
@@ -303,8 +306,8 @@ class ExtractionWorker:
     ) -> UnitResult:
         """Run the target over a unit and write its shard (not committed: the driver does that).
 
-        Thread-safe, and meant to be called from two threads: the forwards run under a lock, one
-        unit at a time, but finishing a shard (last flushes, sample table, checksumming every
+        Thread-safe, and meant to be called from two threads: the forwards run on the worker's
+        compute thread, one unit at a time, but finishing a shard (last flushes, sample table, checksumming every
         file: seconds for GBs) happens outside it, so the next unit's forwards overlap it.
         ``on_batch(num_samples, num_tokens)`` is called after each batch (progress bars).
 
@@ -323,6 +326,51 @@ class ExtractionWorker:
 
     def _run_unit(self, unit: WorkUnit, on_batch: Callable[[int, int], None] | None) -> UnitResult:
         start = time.perf_counter()
+        # The forwards on the worker's one compute thread (units queue there, one at a time);
+        # finishing the shard here, in the caller's thread, overlapping the next unit's forwards.
+        done = self._on_compute_thread(self._compute_unit, unit, on_batch)
+        try:
+            record = done.sink.finish()
+        except BaseException:
+            done.sink.abort()
+            raise
+        # Every copy is done, so every forward the unit's events enclose is over.
+        gpu_forward_seconds, gpu_between_seconds = done.timeline.seconds(done.previous_end)
+        kept = done.kept
+        return UnitResult(
+            unit_index=unit.index,
+            record=record,
+            num_samples=sum(len(b.indices) for b in kept),
+            num_tokens=sum(b.num_tokens for b in kept),
+            num_padded_tokens=sum(b.num_padded_tokens for b in kept),
+            num_batches=len(kept),
+            seconds=time.perf_counter() - start,
+            compute_seconds=done.compute_seconds,
+            write_seconds=done.sink.write_seconds,
+            copy_wait_seconds=done.sink.wait_seconds,
+            pool_wait_seconds=done.sink.pool_wait_seconds,
+            compute_started_at=done.started_at,
+            compute_ended_at=done.ended_at,
+            landed_at=done.sink.landed_at,
+            gpu_forward_seconds=gpu_forward_seconds,
+            gpu_between_seconds=gpu_between_seconds,
+            rejected=tuple(_rejected_sample(unit, i, error) for i, error in sorted(done.failures)),
+        )
+
+    def _on_compute_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn`` on the compute thread and wait for it (its exception is raised here).
+
+        Why one thread: CUDA keeps per-thread state that a forward needs (PyTorch's cuBLAS handles
+        and workspaces are per thread), so a forward on a fresh thread pays for setting it up again.
+        Ray runs an actor's calls on threads of its own choosing and LocalExecutor on a new pool per
+        run; on the one thread the warm-up ran on, the first unit's forwards find everything ready.
+        """
+        return self._compute_thread.submit(fn, *args).result()
+
+    def _compute_unit(self, unit: WorkUnit, on_batch: Callable[[int, int], None] | None) -> _ComputedUnit:
+        """The unit's forwards, on the compute thread: each batch's features go to the unit's sink."""
+        compute_start = time.perf_counter()
+        started_at = time.time()
         token_ids = [row.input_ids for row in unit.rows]
         batches = plan_batches(
             [len(ids) for ids in token_ids],
@@ -334,100 +382,79 @@ class ExtractionWorker:
         failures: list[tuple[int, str]] = []  # (position in the unit, the error) of left-out rows
         # One GPU only: a target split over several has its forwards on more than one stream.
         timeline = _GpuTimeline(self.device if self.input_device == self.device else None)
-        with self._compute_lock:
-            compute_start = time.perf_counter()
-            compute_started_at = time.time()
-            writer = ShardWriter(
-                self.spec.store,
-                unit.shard_id,
-                list(self.spec.features),
-                storage_options=self.spec.storage_options,
-            )
-            sink = ShardSink(
-                writer,
-                self.device,
-                pool=self.host_buffers,
-                max_pending_batches=MAX_PENDING_BATCHES,
-                copy_pieces=len(self.capture.pace_layers),
-            )
-            if self.device.type == "cuda":
-                self.capture.on_pace = sink.pace  # this unit's copies ride its next forwards
-            try:
-                for batch in batches:
-                    failed = False
-                    try:
-                        with timeline.forward():
-                            features = self._forward(token_ids, batch)
-                    except Exception as err:
-                        self._raise_if_device_broken(unit, batch, err)
-                        logger.warning(
-                            "unit %d: a batch of %d samples failed (%s); rerunning them alone",
-                            unit.index,
-                            len(batch.indices),
-                            _describe(err),
-                        )
-                        failed = True
-                    # Isolation runs outside the except block: the exception's traceback holds
-                    # the failed forward's activations, which the reruns need the memory of.
-                    if failed:
-                        singles, batch_failures = self._isolate(unit, token_ids, batch, sink)
-                        kept.extend(singles)
-                        failures.extend(batch_failures)
-                        num_samples, num_tokens = len(singles), sum(b.num_tokens for b in singles)
-                    else:
-                        # Submitted only now that every row's features exist: a failed forward
-                        # adds nothing to the shard.
-                        sink.submit([unit.rows[i] for i in batch.indices], features)
-                        kept.append(batch)
-                        num_samples, num_tokens = len(batch.indices), batch.num_tokens
-                    if on_batch is not None and num_samples:
-                        on_batch(num_samples, num_tokens)
-                if failures and not kept:
-                    index, error = min(failures)
-                    raise ExtractionError(
-                        f"unit {unit.index} (shard {unit.shard_id}): the target raised on every "
-                        f"one of its {len(unit.rows)} samples (first: {unit.origin(index)}: "
-                        f"{error}). That is a target/tokenizer mismatch or a broken target, not "
-                        "bad records; nothing of the unit was written"
+        writer = ShardWriter(
+            self.spec.store,
+            unit.shard_id,
+            list(self.spec.features),
+            storage_options=self.spec.storage_options,
+        )
+        sink = ShardSink(
+            writer,
+            self.device,
+            pool=self.host_buffers,
+            max_pending_batches=MAX_PENDING_BATCHES,
+            copy_pieces=len(self.capture.pace_layers),
+        )
+        if self.device.type == "cuda":
+            self.capture.on_pace = sink.pace  # this unit's copies ride its next forwards
+        try:
+            for batch in batches:
+                failed = False
+                try:
+                    with timeline.forward():
+                        features = self._forward(token_ids, batch)
+                except Exception as err:
+                    self._raise_if_device_broken(unit, batch, err)
+                    logger.warning(
+                        "unit %d: a batch of %d samples failed (%s); rerunning them alone",
+                        unit.index,
+                        len(batch.indices),
+                        _describe(err),
                     )
-            except BaseException:
-                sink.abort()
-                raise
-            finally:
+                    failed = True
+                # Isolation runs outside the except block: the exception's traceback holds
+                # the failed forward's activations, which the reruns need the memory of.
+                if failed:
+                    singles, batch_failures = self._isolate(unit, token_ids, batch, sink)
+                    kept.extend(singles)
+                    failures.extend(batch_failures)
+                    num_samples, num_tokens = len(singles), sum(b.num_tokens for b in singles)
+                else:
+                    # Submitted only now that every row's features exist: a failed forward
+                    # adds nothing to the shard.
+                    sink.submit([unit.rows[i] for i in batch.indices], features)
+                    kept.append(batch)
+                    num_samples, num_tokens = len(batch.indices), batch.num_tokens
+                if on_batch is not None and num_samples:
+                    on_batch(num_samples, num_tokens)
+            if failures and not kept:
+                index, error = min(failures)
+                raise ExtractionError(
+                    f"unit {unit.index} (shard {unit.shard_id}): the target raised on every "
+                    f"one of its {len(unit.rows)} samples (first: {unit.origin(index)}: "
+                    f"{error}). That is a target/tokenizer mismatch or a broken target, not "
+                    "bad records; nothing of the unit was written"
+                )
+            if self.device.type == "cuda":
                 # The last batch has no next forward in this unit: its copy goes now, in one
                 # piece, and the next unit's forwards pace only its own batches.
                 self.capture.on_pace = None
-            if self.device.type == "cuda":
                 sink.flush_copies()
-            compute_seconds = time.perf_counter() - compute_start
-            compute_ended_at = time.time()
-            previous_end = self._last_forward_end
-            self._last_forward_end = timeline.last_end or previous_end
-        try:
-            record = sink.finish()
         except BaseException:
+            self.capture.on_pace = None
             sink.abort()
             raise
-        # Every copy is done, so every forward the unit's events enclose is over.
-        gpu_forward_seconds, gpu_between_seconds = timeline.seconds(previous_end)
-        return UnitResult(
-            unit_index=unit.index,
-            record=record,
-            num_samples=sum(len(b.indices) for b in kept),
-            num_tokens=sum(b.num_tokens for b in kept),
-            num_padded_tokens=sum(b.num_padded_tokens for b in kept),
-            num_batches=len(kept),
-            seconds=time.perf_counter() - start,
-            compute_seconds=compute_seconds,
-            write_seconds=sink.write_seconds,
-            copy_wait_seconds=sink.wait_seconds,
-            pool_wait_seconds=sink.pool_wait_seconds,
-            compute_started_at=compute_started_at,
-            compute_ended_at=compute_ended_at,
-            landed_at=sink.landed_at,
-            gpu_forward_seconds=gpu_forward_seconds,
-            gpu_between_seconds=gpu_between_seconds,
-            rejected=tuple(_rejected_sample(unit, i, error) for i, error in sorted(failures)),
+        previous_end = self._last_forward_end
+        self._last_forward_end = timeline.last_end or previous_end
+        return _ComputedUnit(
+            sink=sink,
+            kept=kept,
+            failures=failures,
+            timeline=timeline,
+            previous_end=previous_end,
+            compute_seconds=time.perf_counter() - compute_start,
+            started_at=started_at,
+            ended_at=time.time(),
         )
 
     def _forward(self, token_ids: list[Any], batch: Batch) -> dict[str, torch.Tensor]:
@@ -505,7 +532,22 @@ class ExtractionWorker:
             ) from err
 
     def close(self) -> None:
+        self._compute_thread.shutdown(wait=True)
         self.capture.close()
+
+
+@dataclass
+class _ComputedUnit:
+    """A unit whose forwards are done: its sink (still writing), what was kept and the timings."""
+
+    sink: ShardSink
+    kept: list[Batch]
+    failures: list[tuple[int, str]]
+    timeline: _GpuTimeline
+    previous_end: torch.cuda.Event | None
+    compute_seconds: float
+    started_at: float
+    ended_at: float
 
 
 class _GpuTimeline:

@@ -114,3 +114,40 @@ def test_a_cuda_worker_warms_up_when_it_starts_and_its_features_are_unchanged(
     )
     for name in ("aux_hidden_states", "final_hidden_state"):
         torch.testing.assert_close(after[name], cold_features[name])
+
+
+def test_every_forward_runs_on_the_workers_one_compute_thread(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """Units are handed in from several threads (Ray's, LocalExecutor's pool), but the forwards all
+    run on the worker's compute thread, the one its warm-up ran on: CUDA's per-thread state (cuBLAS
+    handles, workspaces) is then set up once, not again in the first unit of every new thread."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pipelines.extract.sink import SampleRow
+    from pipelines.extract.worker import WorkUnit
+
+    spec = spec_for(tiny_qwen3, tmp_path / "store", token_budget=128, max_length=64)
+    worker = ExtractionWorker(spec)
+    threads: list[str] = []
+    forward = worker._forward
+
+    def recorded(*args: object) -> object:
+        threads.append(threading.current_thread().name)
+        return forward(*args)
+
+    worker._forward = recorded  # type: ignore[method-assign]
+    warm_thread = worker._on_compute_thread(lambda: threading.current_thread().name)
+    rng = np.random.default_rng(0)
+    units = [
+        WorkUnit(u, tuple(
+            SampleRow(f"u{u}s{i}", "r", rng.integers(3, 500, 40).astype(np.int32), np.ones(40, np.uint8))
+            for i in range(6)
+        ))
+        for u in range(4)
+    ]
+    with ThreadPoolExecutor(max_workers=2) as callers:  # two callers at once, as an actor's threads
+        results = list(callers.map(worker.run_unit, units))
+    worker.close()
+    assert [r.num_samples for r in results] == [6, 6, 6, 6]
+    assert len(threads) == sum(r.num_batches for r in results) > 4
+    assert set(threads) == {warm_thread} and warm_thread.startswith("forwards")
