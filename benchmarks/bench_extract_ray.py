@@ -190,7 +190,9 @@ def extract(args: argparse.Namespace, name: str, **settings: Any) -> dict[str, A
     log(f"  {summary['tokens_per_second']:,.0f} tok/s, padding {100 * summary['padding_waste']:.2f}%, "
         f"writer busy {100 * summary['writer_busy_fraction']:.0f}%, {summary['write_gb_per_s']:.2f} GB/s written, "
         f"forwards {100 * summary['compute_busy_fraction']:.1f}% of {summary['extract_seconds']:.1f} s "
-        f"(head {summary['head_seconds']:.2f} s, tail {summary['tail_seconds']:.2f} s, of it "
+        f"(GPU: {summary.get('gpu_forward_seconds', 0):.2f} s in forwards, {summary.get('gpu_between_seconds', 0):.2f} s "
+        f"between, first forward after {summary.get('gpu_head_seconds', 0):.2f} s, last done {summary.get('gpu_tail_seconds', 0):.2f} s "
+        f"before the end) (head {summary['head_seconds']:.2f} s, tail {summary['tail_seconds']:.2f} s, of it "
         f"{summary.get('tail_after_landed_seconds', 0):.2f} s after the last features landed, "
         f"waiting for host buffers {summary['pool_wait_seconds']:.2f} s), "
         f"{summary['process_seconds']:.0f} s in all")
@@ -494,21 +496,23 @@ def fmt(value: float | None, spec: str) -> str:
 
 def sequence_table(state: dict[str, Any]) -> str:
     lines = ["| step | tokens/s | vs neighbouring bare | first forward to last features landed, / bare s | "
-             "tail s | of it after the last features landed | GPU in forwards / bare | GPU between forwards s | writer busy |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "tail s | of it after the last features landed | GPU in forwards / bare | GPU between forwards s | "
+             "first forward on the GPU after s | last done before the end s | writer busy |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for entry in state.get("sequence") or []:
         if entry["step"] == "bare":
             gpu = entry.get("gpu_forward_seconds")
             between = entry.get("gpu_between_seconds")
             lines.append(f"| bare | {entry['bare_tokens_per_s']:,.0f} | | | | | "
-                         f"{'' if gpu is None else f'{gpu:.2f} s'} | {'' if between is None else f'{between:.2f}'} | |")
+                         f"{'' if gpu is None else f'{gpu:.2f} s'} | {'' if between is None else f'{between:.2f}'} | | | |")
             continue
         ratio, span = entry.get("vs_neighbouring_bare"), entry.get("gpu_span_vs_bare")
         lines.append(
             f"| {entry['step']} | {entry['tokens_per_second']:,.0f} | {'' if ratio is None else f'{ratio:.3f}'} | "
             f"{'' if span is None else f'{span:.3f}'} | {entry.get('tail_seconds', 0):.2f} | "
             f"{entry.get('tail_after_landed_seconds', 0):.2f} | {fmt(entry.get('gpu_forward_vs_bare'), '.3f')} | "
-            f"{fmt(entry.get('gpu_between_seconds'), '.2f')} | {100 * entry['writer_busy_fraction']:.0f}% |")
+            f"{fmt(entry.get('gpu_between_seconds'), '.2f')} | {fmt(entry.get('gpu_head_seconds'), '.2f')} | "
+            f"{fmt(entry.get('gpu_tail_seconds'), '.2f')} | {100 * entry['writer_busy_fraction']:.0f}% |")
     return "\n".join(lines)
 
 

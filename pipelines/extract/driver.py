@@ -271,7 +271,9 @@ def _run_units(
     )
     start = time.perf_counter()
     started_at = time.time()
-    forward_span = [float("inf"), 0.0, 0.0]  # first forward start, last forward end, last features on the host (wall clock)
+    # Wall clock: first forward start, last forward end, last features on the host (host side);
+    # first forward start and last forward end on the GPU (CUDA events; 0 where not known).
+    forward_span = [float("inf"), 0.0, 0.0, float("inf"), 0.0]
     units_done = summary.num_units_skipped
     todo_by_index: dict[int, WorkUnit] = {}  # handed out, not yet committed
 
@@ -306,6 +308,9 @@ def _run_units(
         forward_span[0] = min(forward_span[0], result.compute_started_at)
         forward_span[1] = max(forward_span[1], result.compute_ended_at)
         forward_span[2] = max(forward_span[2], result.landed_at)
+        if result.gpu_started_at:
+            forward_span[3] = min(forward_span[3], result.gpu_started_at)
+            forward_span[4] = max(forward_span[4], result.gpu_ended_at)
         already_shown = min(shown_uncommitted, result.num_tokens)
         shown_uncommitted -= already_shown
         bar.update(result.num_tokens - already_shown)
@@ -326,6 +331,9 @@ def _run_units(
             summary.tail_seconds = max(0.0, ended - forward_span[1])
             if forward_span[2]:
                 summary.tail_after_landed_seconds = max(0.0, ended - forward_span[2])
+            if forward_span[4]:
+                summary.gpu_head_seconds = max(0.0, forward_span[3] - started_at)
+                summary.gpu_tail_seconds = max(0.0, ended - forward_span[4])
         bar.close()
         executor.close()
 

@@ -57,6 +57,10 @@ class ExtractionSummary:
     # these apart: the host queues work ~0.5 s ahead of the GPU.
     gpu_forward_seconds: float = 0.0
     gpu_between_seconds: float = 0.0
+    # The same events against the wall clock: the start to the first forward running on a GPU, and
+    # the last forward's end on a GPU to the end (what a bare forward of these batches never pays).
+    gpu_head_seconds: float = 0.0
+    gpu_tail_seconds: float = 0.0
 
     @property
     def num_rejected(self) -> int:
@@ -146,6 +150,8 @@ class ExtractionSummary:
         if self.gpu_forward_seconds:
             lines.append(
                 f"GPU              {self.gpu_forward_seconds:.1f} s in forwards, "
-                f"{self.gpu_between_seconds:.2f} s between them (summed over workers)"
+                f"{self.gpu_between_seconds:.2f} s between them (summed over workers); first "
+                f"forward on a GPU after {self.gpu_head_seconds:.2f} s, last one done "
+                f"{self.gpu_tail_seconds:.2f} s before the end"
             )
         return "\n".join(lines)

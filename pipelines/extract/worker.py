@@ -115,6 +115,10 @@ class UnitResult:
     # idle, or running what the extraction adds between forwards (the fp8 encode).
     gpu_forward_seconds: float = 0.0
     gpu_between_seconds: float = 0.0
+    # Wall clock (time.time()) of the unit's first forward starting and its last one ending on
+    # the GPU (from the events, against a clock set at the warm-up); 0.0 where not known.
+    gpu_started_at: float = 0.0
+    gpu_ended_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -226,6 +230,7 @@ class ExtractionWorker:
         # Every forward (the warm-up's included) runs on this one thread: _on_compute_thread.
         self._compute_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forwards")
         self._last_forward_end: torch.cuda.Event | None = None  # the previous unit's, on a GPU
+        self._gpu_clock: _GpuClock | None = None  # set by the warm-up
         # Pinned host buffers for the device-to-host copies, shared by the units in flight: as
         # many as the sink's queue holds plus the one being written and the one being copied.
         self.host_buffers = HostBufferPool(
@@ -287,6 +292,7 @@ class ExtractionWorker:
                         buffers[name][: ids_BT.size].copy_(bits, non_blocking=True)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
+                    self._gpu_clock = _GpuClock.start(self.device)
             finally:
                 self.host_buffers.release(buffers)
         except Exception as err:
@@ -336,6 +342,7 @@ class ExtractionWorker:
             raise
         # Every copy is done, so every forward the unit's events enclose is over.
         gpu_forward_seconds, gpu_between_seconds = done.timeline.seconds(done.previous_end)
+        gpu_started_at, gpu_ended_at = done.timeline.wall_span(self._gpu_clock)
         kept = done.kept
         return UnitResult(
             unit_index=unit.index,
@@ -354,6 +361,8 @@ class ExtractionWorker:
             landed_at=done.sink.landed_at,
             gpu_forward_seconds=gpu_forward_seconds,
             gpu_between_seconds=gpu_between_seconds,
+            gpu_started_at=gpu_started_at,
+            gpu_ended_at=gpu_ended_at,
             rejected=tuple(_rejected_sample(unit, i, error) for i, error in sorted(done.failures)),
         )
 
@@ -550,6 +559,26 @@ class _ComputedUnit:
     ended_at: float
 
 
+@dataclass(frozen=True)
+class _GpuClock:
+    """An event the GPU ran at a known wall-clock time: later events' times follow from it."""
+
+    event: torch.cuda.Event
+    at: float
+
+    @classmethod
+    def start(cls, device: torch.device) -> _GpuClock:
+        """On an idle device (just synchronised): the event runs as soon as it is recorded."""
+        event = torch.cuda.Event(enable_timing=True)
+        before = time.time()
+        event.record(torch.cuda.current_stream(device))
+        event.synchronize()
+        return cls(event, (before + time.time()) / 2)
+
+    def wall(self, event: torch.cuda.Event) -> float:
+        return self.at + self.event.elapsed_time(event) / 1e3
+
+
 class _GpuTimeline:
     """CUDA events around a unit's forwards (nothing on a CPU): how long the GPU spent in them and
     between them. The host queues work ~0.5 s ahead of the GPU, so host timers cannot tell a slow
@@ -557,6 +586,7 @@ class _GpuTimeline:
     are done (its events are then complete), so reading never stalls the forwards."""
 
     def __init__(self, device: torch.device | None):
+        self.device = device
         self.enabled = device is not None and device.type == "cuda"
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -566,9 +596,10 @@ class _GpuTimeline:
             yield
             return
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        stream = torch.cuda.current_stream(self.device)  # the forward's (the model's device)
+        start.record(stream)
         yield
-        end.record()
+        end.record(stream)
         self.events.append((start, end))
 
     @property
@@ -587,6 +618,12 @@ class _GpuTimeline:
             forward_ms += start.elapsed_time(end)
             previous_end = end
         return forward_ms / 1e3, between_ms / 1e3
+
+    def wall_span(self, clock: _GpuClock | None) -> tuple[float, float]:
+        """Wall clock of the first forward's start and the last one's end on the GPU."""
+        if clock is None or not self.events:
+            return 0.0, 0.0
+        return clock.wall(self.events[0][0]), clock.wall(self.events[-1][1])
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

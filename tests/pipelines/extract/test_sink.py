@@ -205,6 +205,11 @@ def test_a_cuda_worker_paces_its_copies_and_stores_what_a_cpu_worker_stores(
             if gpus == 1:
                 assert all(r.gpu_forward_seconds > 0 for r in results)
                 assert results[0].gpu_between_seconds > 0 and results[1].gpu_between_seconds > 0
+                # On the wall clock: each unit's forwards run on the GPU after its host loop began,
+                # the second unit's after the first's (one compute thread, one stream).
+                first, second = sorted(results, key=lambda r: r.unit_index)
+                assert first.compute_started_at - 0.01 < first.gpu_started_at < first.gpu_ended_at
+                assert first.gpu_ended_at <= second.gpu_started_at + 1e-3 < second.gpu_ended_at + 1e-3
             else:
                 assert all(r.gpu_forward_seconds == 0 for r in results)
         else:
