@@ -12,7 +12,8 @@ import torch
 import hsstore
 from pipelines.extract.capture import HiddenStateCapture
 from pipelines.extract.errors import ExtractionError
-from pipelines.extract.worker import ExtractionWorker, WorkerSpec, load_target
+from pipelines.extract.sink import ShardSink
+from pipelines.extract.worker import WARM_WRITE_TOKENS, ExtractionWorker, WorkerSpec, load_target
 
 FEATURES = (
     hsstore.FeatureSpec(name="aux_hidden_states", shape=(2, 64), codec="fp8_e4m3"),
@@ -52,14 +53,30 @@ def test_the_warm_up_batch_is_the_largest_the_plan_can_make(
 
 
 def test_warm_up_runs_the_write_path_and_leaves_nothing_behind(
-    tiny_qwen3: Path, tmp_path: Path
+    tiny_qwen3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import tempfile
+
     spec = spec_for(tiny_qwen3, tmp_path / "store", token_budget=256, max_length=64)
     worker = ExtractionWorker(spec)
+    # The throwaway shard goes to a temporary folder (here tmp_path/tmp) and is removed.
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    written: list[int] = []
+    finish = ShardSink.finish
+
+    def counted_finish(self: ShardSink) -> object:
+        record = finish(self)
+        written.append(record.num_tokens)
+        return record
+
+    monkeypatch.setattr(ShardSink, "finish", counted_finish)
     assert worker.warm_up() > 0
+    assert written == [min(256, WARM_WRITE_TOKENS)]  # the write path ran: a shard was finished
     assert worker.capture._handles == []  # hooks removed: the model is as loaded
     assert worker.host_buffers._free.qsize() == worker.host_buffers._allocated  # every buffer back
-    assert not (tmp_path / "store").exists()  # nothing written
+    assert not (tmp_path / "store").exists()  # nothing written to the store
+    assert list((tmp_path / "tmp").iterdir()) == []  # nor left in the temporary folder
 
 
 def test_a_budget_the_device_cannot_hold_fails_at_start_naming_the_setting(
