@@ -51,6 +51,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -521,8 +522,16 @@ def write_outputs(args: argparse.Namespace, state: dict[str, Any], started: floa
     out = Path(args.out)
     runs, bare, compared = state["runs"], state["bare"], state["compared"]
 
+    # --sequence runs: each name's median over its repeats (the keys filled alike).
+    by_name: dict[str, list[float]] = {}
+    for entry in state.get("sequence") or []:
+        if entry["step"] != "bare":
+            by_name.setdefault(entry["step"], []).append(entry["tokens_per_second"])
+
     def tps(name: str) -> float | None:
-        return runs[name]["tokens_per_second"] if name in runs else None
+        if name in runs:
+            return runs[name]["tokens_per_second"]
+        return statistics.median(by_name[name]) if name in by_name else None
 
     bare_runs = [b["bare_tokens_per_s"] for b in (bare, state.get("bare_after")) if b]
     if state.get("sequence"):
@@ -539,7 +548,7 @@ def write_outputs(args: argparse.Namespace, state: dict[str, Any], started: floa
         "per_gpu_vs_bare": {
             name: r["tokens_per_second"] / (gpus_of(name) * bare_tps)
             for name, r in runs.items() if name != "split" and bare_tps
-        },
+        } or {name: statistics.median(ratios) for name, ratios in sequence_ratios(state).items()},
         "writer_busy_fraction": {name: r["writer_busy_fraction"] for name, r in runs.items()},
         # Where the gap to the bare forward goes: the share of the run spent in forwards, and the
         # seconds before the first unit's forwards (head) and after the last one's (tail).
