@@ -32,3 +32,26 @@ def test_tiny_cpu_run_writes_the_issue_keys(tmp_path: Path) -> None:
     assert results["num_tokens"] == results["bare"]["num_tokens"]  # the same batches, both sides
     assert 0 <= results["padding_fraction"] < 0.5
     assert "| bf16-1 |" in done.stdout and "| fp8-1 |" in done.stdout
+
+
+@pytest.mark.slow
+def test_tiny_cpu_sequence_compares_each_run_with_the_bare_passes_beside_it(tmp_path: Path) -> None:
+    command = [
+        sys.executable, "benchmarks/bench_extract_ray.py", "run", "--shape", "small", "--device", "cpu",
+        "--executor", "local", "--gpus", "1", "--tokens", "1500", "--min-length", "64", "--max-length", "200",
+        "--max-length-cap", "256", "--token-budget", "512", "--unit-tokens", "1024", "--disk-gib", "0.005",
+        "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--sequence", "bare,fp8-1,bare",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((tmp_path / "out" / "extract-h200.json").read_text())
+    assert [e["step"] for e in results["sequence"]] == ["bare", "fp8-1", "bare"]
+    bare = [e["bare_tokens_per_s"] for e in results["sequence"] if e["step"] == "bare"]
+    run = results["sequence"][1]
+    # The run against the mean of the two bare passes beside it.
+    assert run["vs_neighbouring_bare"] == pytest.approx(run["tokens_per_second"] / (sum(bare) / 2))
+    assert results["sequence_ratios"] == {"fp8-1": [run["vs_neighbouring_bare"]]}
+    assert results["ray"]["fp8_e4m3"]["gpus_1"] == run["tokens_per_second"]
+    assert "| fp8-1 |" in done.stdout
+    assert not (tmp_path / "work" / "stores").exists()  # each run's store deleted after it
