@@ -303,6 +303,8 @@ class ExtractionWorker:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
                 self._gpu_clock = _GpuClock.start(self.device)
+        except ExtractionError:
+            raise
         except Exception as err:
             if _is_out_of_memory(err):
                 raise ExtractionError(
@@ -328,7 +330,13 @@ class ExtractionWorker:
         row = SampleRow(
             "warm-up", "warm-up", np.zeros(tokens, dtype=np.int32), np.ones(tokens, dtype=np.uint8)
         )
-        folder = tempfile.mkdtemp(prefix="hsstore-warm-up-")
+        try:
+            folder = tempfile.mkdtemp(prefix="hsstore-warm-up-")
+        except OSError as err:
+            raise ExtractionError(
+                f"the warm-up's throwaway shard: no temporary folder in {tempfile.gettempdir()} "
+                f"({err}); point TMPDIR at a writable local folder"
+            ) from err
         try:
             writer = ShardWriter(folder, unit_shard_id(0), list(self.spec.features))
             sink = ShardSink(writer, self.device, pool=self.host_buffers, max_pending_batches=1)
@@ -338,6 +346,11 @@ class ExtractionWorker:
             except BaseException:
                 sink.abort()
                 raise
+        except (OSError, HsstoreError) as err:
+            raise ExtractionError(
+                f"the warm-up's throwaway shard in {folder} could not be written ({err}); "
+                "point TMPDIR at a writable local folder with room for it"
+            ) from err
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 

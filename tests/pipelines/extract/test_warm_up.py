@@ -168,3 +168,16 @@ def test_every_forward_runs_on_the_workers_one_compute_thread(tiny_qwen3: Path, 
     assert [r.num_samples for r in results] == [6, 6, 6, 6]
     assert len(threads) == sum(r.num_batches for r in results) > 4
     assert set(threads) == {warm_thread} and warm_thread.startswith("forwards")
+
+
+def test_a_warm_up_without_a_temporary_folder_says_which_and_what_to_set(
+    tiny_qwen3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tempfile
+
+    worker = ExtractionWorker(spec_for(tiny_qwen3, tmp_path / "store", token_budget=256, max_length=64))
+    missing = tmp_path / "no-such-folder"
+    monkeypatch.setattr(tempfile, "tempdir", str(missing))
+    with pytest.raises(ExtractionError, match=rf"throwaway shard: no temporary folder in {missing}.*TMPDIR"):
+        worker.warm_up()
+    assert worker.host_buffers._free.qsize() == worker.host_buffers._allocated  # every buffer back
