@@ -360,8 +360,9 @@ class ExtractionWorker:
         """Run the target over a unit and write its shard (not committed: the driver does that).
 
         Thread-safe, and meant to be called from two threads: the forwards run on the worker's
-        compute thread, one unit at a time, but finishing a shard (last flushes, sample table, checksumming every
-        file: seconds for GBs) happens outside it, so the next unit's forwards overlap it.
+        compute thread, one unit at a time, but finishing a shard (last flushes, sample table,
+        checksumming every file: seconds for GBs) happens in the calling thread, so the next
+        unit's forwards overlap it.
         ``on_batch(num_samples, num_tokens)`` is called after each batch (progress bars).
 
         A sample the target raises on alone is left out and returned in ``rejected``; anything
