@@ -19,9 +19,11 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from hsstore import commit_shards, committed_shard_ids, ensure_store
@@ -238,6 +240,36 @@ def _plan_only(
         summary.num_tokens_written += window.num_tokens  # planned: what padding_waste compares
 
 
+@dataclass
+class _TimelineMarks:
+    """Wall-clock marks (time.time()) over the units' results, for the summary's head and tail."""
+
+    first_forward: float = math.inf  # the host starting the first unit's forwards
+    last_forward: float = 0.0  # the host done with the last unit's forwards
+    last_landed: float = 0.0  # the last batch's features on the host
+    gpu_first_forward: float = math.inf  # on a GPU (CUDA events; not known on a CPU)
+    gpu_last_forward: float = 0.0
+
+    def add(self, result: UnitResult) -> None:
+        self.first_forward = min(self.first_forward, result.compute_started_at)
+        self.last_forward = max(self.last_forward, result.compute_ended_at)
+        self.last_landed = max(self.last_landed, result.landed_at)
+        if result.gpu_started_at:
+            self.gpu_first_forward = min(self.gpu_first_forward, result.gpu_started_at)
+            self.gpu_last_forward = max(self.gpu_last_forward, result.gpu_ended_at)
+
+    def fill(self, summary: ExtractionSummary, started_at: float, ended_at: float) -> None:
+        if not self.last_forward:  # no unit ran
+            return
+        summary.head_seconds = max(0.0, self.first_forward - started_at)
+        summary.tail_seconds = max(0.0, ended_at - self.last_forward)
+        if self.last_landed:
+            summary.tail_after_landed_seconds = max(0.0, ended_at - self.last_landed)
+        if self.gpu_last_forward:
+            summary.gpu_head_seconds = max(0.0, self.gpu_first_forward - started_at)
+            summary.gpu_tail_seconds = max(0.0, ended_at - self.gpu_last_forward)
+
+
 def _run_units(
     recipe: ExtractRecipe,
     spec: WorkerSpec,
@@ -271,9 +303,7 @@ def _run_units(
     )
     start = time.perf_counter()
     started_at = time.time()
-    # Wall clock: first forward start, last forward end, last features on the host (host side);
-    # first forward start and last forward end on the GPU (CUDA events; 0 where not known).
-    forward_span = [float("inf"), 0.0, 0.0, float("inf"), 0.0]
+    marks = _TimelineMarks()
     units_done = summary.num_units_skipped
     todo_by_index: dict[int, WorkUnit] = {}  # handed out, not yet committed
 
@@ -305,12 +335,7 @@ def _run_units(
         summary.pool_wait_seconds += result.pool_wait_seconds
         summary.gpu_forward_seconds += result.gpu_forward_seconds
         summary.gpu_between_seconds += result.gpu_between_seconds
-        forward_span[0] = min(forward_span[0], result.compute_started_at)
-        forward_span[1] = max(forward_span[1], result.compute_ended_at)
-        forward_span[2] = max(forward_span[2], result.landed_at)
-        if result.gpu_started_at:
-            forward_span[3] = min(forward_span[3], result.gpu_started_at)
-            forward_span[4] = max(forward_span[4], result.gpu_ended_at)
+        marks.add(result)
         already_shown = min(shown_uncommitted, result.num_tokens)
         shown_uncommitted -= already_shown
         bar.update(result.num_tokens - already_shown)
@@ -325,15 +350,7 @@ def _run_units(
         executor.run(handed_out(), on_result, on_batch)
     finally:
         summary.extract_seconds = time.perf_counter() - start
-        if forward_span[1]:
-            summary.head_seconds = max(0.0, forward_span[0] - started_at)
-            ended = time.time()
-            summary.tail_seconds = max(0.0, ended - forward_span[1])
-            if forward_span[2]:
-                summary.tail_after_landed_seconds = max(0.0, ended - forward_span[2])
-            if forward_span[4]:
-                summary.gpu_head_seconds = max(0.0, forward_span[3] - started_at)
-                summary.gpu_tail_seconds = max(0.0, ended - forward_span[4])
+        marks.fill(summary, started_at, time.time())
         bar.close()
         executor.close()
 
