@@ -244,7 +244,7 @@ def bare(args: argparse.Namespace) -> None:
     import torch
 
     from pipelines.extract.batching import collate, padding_waste, plan_batches
-    from pipelines.extract.worker import load_target
+    from pipelines.extract.worker import GpuTimeline, load_target
 
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     model = load_target(str(Path(args.work) / "target"), dtype="bfloat16", device=device)
@@ -255,7 +255,7 @@ def bare(args: argparse.Namespace) -> None:
         input_ids, _ = collate([r.input_ids for r in unit.rows], batch, pad)
         model.model(input_ids=torch.from_numpy(input_ids).to(device, non_blocking=True), use_cache=False)
 
-    events: list[tuple[Any, Any]] = []
+    timeline = GpuTimeline(device)  # the worker's own timing of its forwards (nothing on a CPU)
 
     @torch.inference_mode()
     def timed() -> float:
@@ -265,12 +265,8 @@ def bare(args: argparse.Namespace) -> None:
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         for unit, batch in batches:
-            if device.type == "cuda":  # as the worker times its forwards (worker._GpuTimeline)
-                events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
-                events[-1][0].record()
-            forward(unit, batch)
-            if device.type == "cuda":
-                events[-1][1].record()
+            with timeline.forward():
+                forward(unit, batch)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
@@ -289,9 +285,8 @@ def bare(args: argparse.Namespace) -> None:
         "num_batches": len(batches),
         "padding_fraction": padding_waste([b for _, b in batches]),
     }
-    if events:  # the GPU's time in the forwards and between them, as the extraction reports it
-        result["gpu_forward_seconds"] = sum(a.elapsed_time(b) for a, b in events) / 1e3
-        result["gpu_between_seconds"] = sum(events[i - 1][1].elapsed_time(events[i][0]) for i in range(1, len(events))) / 1e3
+    if timeline.events:  # the GPU's time in the forwards and between them, as the extraction reports it
+        result["gpu_forward_seconds"], result["gpu_between_seconds"] = timeline.seconds(None)
     log(f"bare: {result['bare_tokens_per_s']:,.0f} tok/s over {num_tokens:,} tokens, padding {100 * result['padding_fraction']:.2f}%")
     print(json.dumps(result))
 
@@ -497,20 +492,17 @@ def fmt(value: float | None, spec: str) -> str:
 
 def sequence_table(state: dict[str, Any]) -> str:
     lines = ["| step | tokens/s | vs neighbouring bare | first forward to last features landed, / bare s | "
-             "tail s | of it after the last features landed | GPU in forwards / bare | GPU between forwards s | "
+             "tail s | of it after the last features landed | GPU in forwards / bare (bare: s) | GPU between forwards s | "
              "first forward on the GPU after s | last done before the end s | writer busy |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for entry in state.get("sequence") or []:
         if entry["step"] == "bare":
-            gpu = entry.get("gpu_forward_seconds")
-            between = entry.get("gpu_between_seconds")
             lines.append(f"| bare | {entry['bare_tokens_per_s']:,.0f} | | | | | "
-                         f"{'' if gpu is None else f'{gpu:.2f} s'} | {'' if between is None else f'{between:.2f}'} | | | |")
+                         f"{fmt(entry.get('gpu_forward_seconds'), '.2f')} | {fmt(entry.get('gpu_between_seconds'), '.2f')} | | | |")
             continue
-        ratio, span = entry.get("vs_neighbouring_bare"), entry.get("gpu_span_vs_bare")
         lines.append(
-            f"| {entry['step']} | {entry['tokens_per_second']:,.0f} | {'' if ratio is None else f'{ratio:.3f}'} | "
-            f"{'' if span is None else f'{span:.3f}'} | {entry.get('tail_seconds', 0):.2f} | "
+            f"| {entry['step']} | {entry['tokens_per_second']:,.0f} | {fmt(entry.get('vs_neighbouring_bare'), '.3f')} | "
+            f"{fmt(entry.get('gpu_span_vs_bare'), '.3f')} | {entry.get('tail_seconds', 0):.2f} | "
             f"{entry.get('tail_after_landed_seconds', 0):.2f} | {fmt(entry.get('gpu_forward_vs_bare'), '.3f')} | "
             f"{fmt(entry.get('gpu_between_seconds'), '.2f')} | {fmt(entry.get('gpu_head_seconds'), '.2f')} | "
             f"{fmt(entry.get('gpu_tail_seconds'), '.2f')} | {100 * entry['writer_busy_fraction']:.0f}% |")

@@ -438,7 +438,7 @@ class ExtractionWorker:
         kept: list[Batch] = []  # the forwards whose features went to the shard
         failures: list[tuple[int, str]] = []  # (position in the unit, the error) of left-out rows
         # One GPU only: a target split over several has its forwards on more than one stream.
-        timeline = _GpuTimeline(self.device if self.input_device == self.device else None)
+        timeline = GpuTimeline(self.device if self.input_device == self.device else None)
         writer = ShardWriter(
             self.spec.store,
             unit.shard_id,
@@ -495,12 +495,12 @@ class ExtractionWorker:
             if self.device.type == "cuda":
                 # The last batch has no next forward in this unit: its copy goes now, in one
                 # piece, and the next unit's forwards pace only its own batches.
-                self.capture.on_pace = None
                 sink.flush_copies()
         except BaseException:
-            self.capture.on_pace = None
             sink.abort()
             raise
+        finally:
+            self.capture.on_pace = None
         previous_end = self._last_forward_end
         self._last_forward_end = timeline.last_end or previous_end
         return _ComputedUnit(
@@ -600,7 +600,7 @@ class _ComputedUnit:
     sink: ShardSink
     kept: list[Batch]
     failures: list[tuple[int, str]]
-    timeline: _GpuTimeline
+    timeline: GpuTimeline
     previous_end: torch.cuda.Event | None
     compute_seconds: float
     started_at: float
@@ -627,9 +627,9 @@ class _GpuClock:
         return self.at + self.event.elapsed_time(event) / 1e3
 
 
-class _GpuTimeline:
+class GpuTimeline:
     """CUDA events around a unit's forwards (nothing on a CPU): how long the GPU spent in them and
-    between them. The host queues work ~0.5 s ahead of the GPU, so host timers cannot tell a slow
+    between them (benchmarks time their bare forwards with it too). The host queues work ~0.5 s ahead of the GPU, so host timers cannot tell a slow
     forward from an idle GPU; events on the compute stream can. Read only once the unit's copies
     are done (its events are then complete), so reading never stalls the forwards."""
 
