@@ -14,18 +14,23 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
-def test_tiny_cpu_run_writes_the_issue_keys(tmp_path: Path) -> None:
+def run_tiny(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+    """The benchmark at a tiny size on the CPU; its process and the extract-h200.json it wrote."""
     command = [
         sys.executable, "benchmarks/bench_extract_ray.py", "run", "--shape", "small", "--device", "cpu",
         "--executor", "local", "--gpus", "1", "--tokens", "1500", "--min-length", "64", "--max-length", "200",
         "--max-length-cap", "256", "--token-budget", "512", "--unit-tokens", "1024", "--disk-gib", "0.005",
-        "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
+        "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), *extra,
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads((tmp_path / "out" / "extract-h200.json").read_text())
+    return done, json.loads((tmp_path / "out" / "extract-h200.json").read_text())
+
+
+@pytest.mark.slow
+def test_tiny_cpu_run_writes_the_issue_keys(tmp_path: Path) -> None:
+    done, results = run_tiny(tmp_path)
     assert results["bare_tokens_per_s"] > 0 and results["disk_gb_per_s"] > 0
     assert results["ray"]["bf16"]["gpus_1"] > 0 and results["ray"]["fp8_e4m3"]["gpus_1"] > 0
     assert results["ray"]["bf16"]["gpus_2"] is None  # not run: --gpus 1
@@ -36,16 +41,7 @@ def test_tiny_cpu_run_writes_the_issue_keys(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_tiny_cpu_sequence_compares_each_run_with_the_bare_passes_beside_it(tmp_path: Path) -> None:
-    command = [
-        sys.executable, "benchmarks/bench_extract_ray.py", "run", "--shape", "small", "--device", "cpu",
-        "--executor", "local", "--gpus", "1", "--tokens", "1500", "--min-length", "64", "--max-length", "200",
-        "--max-length-cap", "256", "--token-budget", "512", "--unit-tokens", "1024", "--disk-gib", "0.005",
-        "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--sequence", "bare,fp8-1,bare",
-    ]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads((tmp_path / "out" / "extract-h200.json").read_text())
+    done, results = run_tiny(tmp_path, "--sequence", "bare,fp8-1,bare")
     assert [e["step"] for e in results["sequence"]] == ["bare", "fp8-1", "bare"]
     bare = [e["bare_tokens_per_s"] for e in results["sequence"] if e["step"] == "bare"]
     run = results["sequence"][1]
