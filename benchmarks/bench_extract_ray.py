@@ -529,6 +529,7 @@ def write_outputs(args: argparse.Namespace, state: dict[str, Any], started: floa
     if state.get("sequence"):
         bare_runs = [e["bare_tokens_per_s"] for e in state["sequence"] if e["step"] == "bare"]
     bare_tps = sum(bare_runs) / len(bare_runs) if bare_runs else None
+    ratios = sequence_ratios(state)  # also puts each sequence run's ratios on its entry
     results = {
         "bare_tokens_per_s": bare_tps,
         "ray": {
@@ -540,7 +541,7 @@ def write_outputs(args: argparse.Namespace, state: dict[str, Any], started: floa
         "per_gpu_vs_bare": {
             name: r["tokens_per_second"] / (gpus_of(name) * bare_tps)
             for name, r in runs.items() if name != "split" and bare_tps
-        } or {name: statistics.median(ratios) for name, ratios in sequence_ratios(state).items()},
+        } or {name: statistics.median(values) for name, values in ratios.items()},
         "writer_busy_fraction": {name: r["writer_busy_fraction"] for name, r in runs.items()},
         # Where the gap to the bare forward goes: the share of the run spent in forwards, and the
         # seconds before the first unit's forwards (head) and after the last one's (tail).
@@ -554,7 +555,7 @@ def write_outputs(args: argparse.Namespace, state: dict[str, Any], started: floa
         "bare_after": state.get("bare_after"),
         "bare_runs_tokens_per_s": bare_runs,
         "runs": runs,
-        "sequence_ratios": sequence_ratios(state),
+        "sequence_ratios": ratios,
         "sequence": state.get("sequence"),
         "settings": settings_of(args),
         "machine": state["machine"],
