@@ -160,6 +160,8 @@ def write_recipe(
         "planning": {"num_workers": args.planning_workers},
         "ray": {"num_workers": workers, "num_gpus_per_worker": gpus_per_worker, "num_cpus_per_worker": args.cpus_per_worker},
     }
+    if is_traced(name):
+        recipe["profiler"] = {"dir": str(Path(args.out) / "traces"), "batches": args.trace_batches}
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
@@ -428,12 +430,18 @@ def run(args: argparse.Namespace) -> None:
 
 
 def parse_run(name: str) -> tuple[str, int, str | None]:
-    """``fp8-1-local-shm`` -> (codec, actors, executor): the run names of ``--runs``, plus ``-shm``."""
+    """``fp8-1-local-shm`` -> (codec, actors, executor): the run names of ``--runs``, plus ``-shm``
+    and ``-trace`` (a torch.profiler trace of each worker's first batches, written under ``--out``:
+    a diagnostic, left out of the ratios)."""
     parts = name.split("-")
     codec = {"bf16": "bf16", "fp8": "fp8_e4m3"}.get(parts[0])
-    if codec is None or len(parts) < 2 or not parts[1].isdigit() or not set(parts[2:]) <= {"local", "shm"}:
-        raise SystemExit(f"--sequence: unknown step {name!r} (bare, or e.g. bf16-1, fp8-1-shm, fp8-1-local)")
+    if codec is None or len(parts) < 2 or not parts[1].isdigit() or not set(parts[2:]) <= {"local", "shm", "trace"}:
+        raise SystemExit(f"--sequence: unknown step {name!r} (bare, or e.g. bf16-1, fp8-1-shm, fp8-1-local, fp8-1-trace)")
     return codec, int(parts[1]), "local" if "local" in parts[2:] else None
+
+
+def is_traced(name: str) -> bool:
+    return "trace" in name.split("-")[2:]
 
 
 def run_sequence(args: argparse.Namespace, state: dict[str, Any], attempt: Any) -> None:
@@ -465,7 +473,7 @@ def sequence_ratios(state: dict[str, Any]) -> dict[str, list[float]]:
     done = state.get("sequence") or []
     ratios: dict[str, list[float]] = {}
     for position, entry in enumerate(done):
-        if entry["step"] == "bare":
+        if entry["step"] == "bare" or is_traced(entry["step"]):  # a traced run's speed is no measurement
             continue
         neighbours = [e for e in (done[position - 1] if position else None,
                                   done[position + 1] if position + 1 < len(done) else None)
@@ -663,7 +671,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bare-after", action="store_true", help="run the bare forward again after the extraction runs")
     parser.add_argument("--sequence", default=None,
                         help="steps in this order instead of --runs, e.g. bare,fp8-1,bare,fp8-1-shm,bare "
-                        "(each run compared with the bare passes beside it; -shm: the store in /dev/shm)")
+                        "(each run compared with the bare passes beside it; -shm: the store in /dev/shm; "
+                        "-trace: a torch.profiler trace of the first batches into --out/traces, no ratio)")
+    parser.add_argument("--trace-batches", type=int, default=3, help="forwards a -trace run traces (profiler.batches)")
     args = parser.parse_args(argv)
     {"run": run, "prepare": prepare, "bare": bare, "compare": compare}[args.command](args)
     return 0

@@ -151,6 +151,8 @@ def run_extraction(
             pad_to_multiple_of=recipe.batching.pad_to_multiple_of,
             pass_attention_mask=recipe.batching.pass_attention_mask,
             pad_token_id=int(pad_token_id),
+            profile_dir=recipe.profiler.dir,
+            profile_batches=recipe.profiler.batches,
         )
         _run_units(
             recipe,

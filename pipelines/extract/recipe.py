@@ -223,6 +223,18 @@ class RaySection(RecipeModel):
     max_task_retries: int = Field(3, ge=0, description="retries of a unit whose actor died")
 
 
+class ProfilerSection(RecipeModel):
+    """A torch.profiler trace of each worker's first batches (pipelines/extract/profiling.py): a
+    diagnostic, as vLLM's VLLM_TORCH_PROFILER_DIR is; a traced run's speed is not a measurement.
+    Not part of the lineage."""
+
+    dir: str | None = Field(
+        None,
+        description="folder (on each worker's machine) for the traces; null: no trace",
+    )
+    batches: int = Field(3, ge=1, description="forwards traced, from the start of the first unit")
+
+
 class ExtractRecipe(RecipeModel):
     """``hsstore extract RECIPE``: run the target over ``data`` and fill ``store``."""
 
@@ -247,6 +259,7 @@ class ExtractRecipe(RecipeModel):
     ray: RaySection = Field(default_factory=RaySection)
     partition: PartitionSection = Field(default_factory=PartitionSection)
     planning: PlanningSection = Field(default_factory=PlanningSection)
+    profiler: ProfilerSection = Field(default_factory=ProfilerSection)
 
     @field_validator("data", mode="before")
     @classmethod

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from hsstore import FeatureSpec, ShardRecord, ShardWriter
 from hsstore.errors import HsstoreError
@@ -37,6 +38,7 @@ from pipelines.extract.batching import Batch, collate, plan_batches, round_up
 from pipelines.extract.capture import HiddenStateCapture, resolve_pass_attention_mask
 from pipelines.extract.errors import ExtractionError
 from pipelines.extract.placement import SplitPlacement, split_across_devices
+from pipelines.extract.profiling import BATCH, SUBMIT, UNIT_FLUSH, UNIT_SETUP, FirstBatchesProfiler
 from pipelines.extract.records import Rejection, RejectReason
 from pipelines.extract.sink import HostBufferPool, SampleRow, ShardSink
 
@@ -152,6 +154,9 @@ class WorkerSpec:
     # GPUs this worker owns (a Ray actor with num_gpus_per_worker > 1): the target is split over
     # them (placement.py), for targets larger than one GPU.
     num_gpus: int = 1
+    # profiler.dir / profiler.batches: a trace of the first unit's first batches (profiling.py).
+    profile_dir: str | None = None
+    profile_batches: int = 3
 
 
 def resolve_device(device: str) -> torch.device:
@@ -236,6 +241,7 @@ class ExtractionWorker:
         self._compute_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forwards")
         self._last_forward_end: torch.cuda.Event | None = None  # the previous unit's, on a GPU
         self._gpu_clock: _GpuClock | None = None  # set by the warm-up
+        self.profiler = FirstBatchesProfiler(spec.profile_dir, spec.profile_batches, self.device)
         # Pinned host buffers for the device-to-host copies, shared by the units in flight: as
         # many as the sink's queue holds plus the one being written and the one being copied.
         self.host_buffers = HostBufferPool(
@@ -428,60 +434,39 @@ class ExtractionWorker:
         """The unit's forwards, on the compute thread: each batch's features go to the unit's sink."""
         compute_start = time.perf_counter()
         started_at = time.time()
-        token_ids = [row.input_ids for row in unit.rows]
-        batches = plan_batches(
-            [len(ids) for ids in token_ids],
-            self.spec.token_budget,
-            max_batch_size=self.spec.max_batch_size,
-            pad_to_multiple_of=self.spec.pad_to_multiple_of,
-        )
-        kept: list[Batch] = []  # the forwards whose features went to the shard
-        failures: list[tuple[int, str]] = []  # (position in the unit, the error) of left-out rows
-        # One GPU only: a target split over several has its forwards on more than one stream.
-        timeline = GpuTimeline(self.device if self.input_device == self.device else None)
-        writer = ShardWriter(
-            self.spec.store,
-            unit.shard_id,
-            list(self.spec.features),
-            storage_options=self.spec.storage_options,
-        )
-        sink = ShardSink(
-            writer,
-            self.device,
-            pool=self.host_buffers,
-            max_pending_batches=MAX_PENDING_BATCHES,
-            copy_pieces=len(self.capture.pace_layers),
-        )
+        self.profiler.start(unit.index)  # the first unit only, and only with profiler.dir set
+        with record_function(UNIT_SETUP):
+            token_ids = [row.input_ids for row in unit.rows]
+            batches = plan_batches(
+                [len(ids) for ids in token_ids],
+                self.spec.token_budget,
+                max_batch_size=self.spec.max_batch_size,
+                pad_to_multiple_of=self.spec.pad_to_multiple_of,
+            )
+            kept: list[Batch] = []  # the forwards whose features went to the shard
+            failures: list[tuple[int, str]] = []  # (position in the unit, the error) of left-out rows
+            # One GPU only: a target split over several has its forwards on more than one stream.
+            timeline = GpuTimeline(self.device if self.input_device == self.device else None)
+            writer = ShardWriter(
+                self.spec.store,
+                unit.shard_id,
+                list(self.spec.features),
+                storage_options=self.spec.storage_options,
+            )
+            sink = ShardSink(
+                writer,
+                self.device,
+                pool=self.host_buffers,
+                max_pending_batches=MAX_PENDING_BATCHES,
+                copy_pieces=len(self.capture.pace_layers),
+            )
         if self.device.type == "cuda":
             self.capture.on_pace = sink.pace  # this unit's copies ride its next forwards
         try:
             for batch in batches:
-                failed = False
-                try:
-                    with timeline.forward():
-                        features = self._forward(token_ids, batch)
-                except Exception as err:
-                    self._raise_if_device_broken(unit, batch, err)
-                    logger.warning(
-                        "unit %d: a batch of %d samples failed (%s); rerunning them alone",
-                        unit.index,
-                        len(batch.indices),
-                        _describe(err),
-                    )
-                    failed = True
-                # Isolation runs outside the except block: the exception's traceback holds
-                # the failed forward's activations, which the reruns need the memory of.
-                if failed:
-                    singles, batch_failures = self._isolate(unit, token_ids, batch, sink)
-                    kept.extend(singles)
-                    failures.extend(batch_failures)
-                    num_samples, num_tokens = len(singles), sum(b.num_tokens for b in singles)
-                else:
-                    # Submitted only now that every row's features exist: a failed forward
-                    # adds nothing to the shard.
-                    sink.submit([unit.rows[i] for i in batch.indices], features)
-                    kept.append(batch)
-                    num_samples, num_tokens = len(batch.indices), batch.num_tokens
+                with record_function(BATCH):
+                    num_samples, num_tokens = self._batch(unit, token_ids, batch, timeline, sink, kept, failures)
+                self.profiler.batch_done()
                 if on_batch is not None and num_samples:
                     on_batch(num_samples, num_tokens)
             if failures and not kept:
@@ -495,12 +480,14 @@ class ExtractionWorker:
             if self.device.type == "cuda":
                 # The last batch has no next forward in this unit: its copy goes now, in one
                 # piece, and the next unit's forwards pace only its own batches.
-                sink.flush_copies()
+                with record_function(UNIT_FLUSH):
+                    sink.flush_copies()
         except BaseException:
             sink.abort()
             raise
         finally:
             self.capture.on_pace = None
+            self.profiler.stop()  # a unit of fewer batches than profiler.batches ends its trace
         previous_end = self._last_forward_end
         self._last_forward_end = timeline.last_end or previous_end
         return _ComputedUnit(
@@ -513,6 +500,45 @@ class ExtractionWorker:
             started_at=started_at,
             ended_at=time.time(),
         )
+
+    def _batch(
+        self,
+        unit: WorkUnit,
+        token_ids: list[Any],
+        batch: Batch,
+        timeline: GpuTimeline,
+        sink: ShardSink,
+        kept: list[Batch],
+        failures: list[tuple[int, str]],
+    ) -> tuple[int, int]:
+        """One batch's forward, its features to the sink; its samples rerun alone if it raised.
+        Returns the samples and tokens it added to the shard (``kept`` and ``failures`` grow)."""
+        failed = False
+        try:
+            with timeline.forward():
+                features = self._forward(token_ids, batch)
+        except Exception as err:
+            self._raise_if_device_broken(unit, batch, err)
+            logger.warning(
+                "unit %d: a batch of %d samples failed (%s); rerunning them alone",
+                unit.index,
+                len(batch.indices),
+                _describe(err),
+            )
+            failed = True
+        # Isolation runs outside the except block: the exception's traceback holds the failed
+        # forward's activations, which the reruns need the memory of.
+        if failed:
+            singles, batch_failures = self._isolate(unit, token_ids, batch, sink)
+            kept.extend(singles)
+            failures.extend(batch_failures)
+            return len(singles), sum(b.num_tokens for b in singles)
+        # Submitted only now that every row's features exist: a failed forward adds nothing
+        # to the shard.
+        with record_function(SUBMIT):
+            sink.submit([unit.rows[i] for i in batch.indices], features)
+        kept.append(batch)
+        return len(batch.indices), batch.num_tokens
 
     def _forward(self, token_ids: list[Any], batch: Batch) -> dict[str, torch.Tensor]:
         input_ids_BT, attention_mask_BT = collate(token_ids, batch, self.spec.pad_token_id)

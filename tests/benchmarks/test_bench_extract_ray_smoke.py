@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.trace_head import load_events, summarise
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -41,13 +43,19 @@ def test_tiny_cpu_run_writes_the_issue_keys(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_tiny_cpu_sequence_compares_each_run_with_the_bare_passes_beside_it(tmp_path: Path) -> None:
-    done, results = run_tiny(tmp_path, "--sequence", "bare,fp8-1,bare")
-    assert [e["step"] for e in results["sequence"]] == ["bare", "fp8-1", "bare"]
+    done, results = run_tiny(tmp_path, "--sequence", "bare,fp8-1,bare,fp8-1-trace", "--trace-batches", "2")
+    assert [e["step"] for e in results["sequence"]] == ["bare", "fp8-1", "bare", "fp8-1-trace"]
     bare = [e["bare_tokens_per_s"] for e in results["sequence"] if e["step"] == "bare"]
     run = results["sequence"][1]
     # The run against the mean of the two bare passes beside it.
     assert run["vs_neighbouring_bare"] == pytest.approx(run["tokens_per_second"] / (sum(bare) / 2))
+    # The traced run is a diagnostic: its trace under --out, and no ratio of it.
     assert results["sequence_ratios"] == {"fp8-1": [run["vs_neighbouring_bare"]]}
+    assert "vs_neighbouring_bare" not in results["sequence"][3]
+    traces = list((tmp_path / "out" / "traces").iterdir())
+    assert [p.name.endswith(".pt.trace.json.gz") for p in traces] == [True]
+    head = summarise(load_events(traces[0]))  # benchmarks/trace_head.py reads it (no device on a CPU)
+    assert len(head["host_batches"]) == 2 and head["device"] is False
     assert results["ray"]["fp8_e4m3"]["gpus_1"] == run["tokens_per_second"]
     assert "| fp8-1 |" in done.stdout
     assert not (tmp_path / "work" / "stores").exists()  # each run's store deleted after it
