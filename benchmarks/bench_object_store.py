@@ -184,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ttfb-shards", type=int, default=1000)
     parser.add_argument("--ttfb-hidden", type=int, default=64)
+    parser.add_argument("--endpoint-processes", type=int, default=1,
+                        help="moto server processes: >1 forks the endpoint into that many read-only copies "
+                        "once both stores are uploaded (benchmarks/moto_s3.py, MotoS3.freeze), as a real "
+                        "endpoint scales with connections")
     parser.add_argument("--quick", action="store_true", help="a tiny run (H=256, 4k tokens, 50 shards)")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--out", default=None, help="write the full results here (JSON)")
@@ -204,16 +208,25 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "machine": {"nproc": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "settings": {**settings, "hidden": args.hidden, "features": "aux [3, H] + final [H], bf16, default chunks"},
+        "settings": {**settings, "hidden": args.hidden, "features": "aux [3, H] + final [H], bf16, default chunks",
+                     "endpoint_processes": args.endpoint_processes},
     }
     try:
-        with MotoS3() as s3:
+        with MotoS3(processes=args.endpoint_processes) as s3:
             os.environ.update(s3.environ())
             local = workdir / "store"
             shutil.rmtree(local, ignore_errors=True)
             report["store"] = write_store(local, hidden=args.hidden, num_tokens=args.tokens, mean_len=args.mean_len, max_len=args.max_len, shard_tokens=args.shard_tokens, seed=0)
             url = "s3://bench/store"
             upload(local, url)
+            # The store of many shards for the time to the first batch, uploaded now too: a frozen
+            # endpoint takes no writes.
+            ttfb_local = workdir / "ttfb-store"
+            shutil.rmtree(ttfb_local, ignore_errors=True)
+            report["ttfb_store"] = write_store(ttfb_local, hidden=args.ttfb_hidden, num_tokens=args.ttfb_shards * 512, mean_len=128, max_len=512, shard_tokens=512, seed=1, fixed_len=128)
+            ttfb_url = "s3://bench/ttfb-store"
+            upload(ttfb_local, ttfb_url)
+            s3.freeze()  # N read-only server processes from here on (nothing for one)
             runs: dict[str, list[dict[str, Any]]] = {"local": [], "s3": [], "s3_obstore": [], "s3_cached_2nd_epoch": []}
             requests: list[dict[str, int]] = []
             for repeat in range(args.repeats):
@@ -256,11 +269,6 @@ def main(argv: list[str] | None = None) -> int:
             }
 
             # Time to the first batch: many shards, small features.
-            ttfb_local = workdir / "ttfb-store"
-            shutil.rmtree(ttfb_local, ignore_errors=True)
-            report["ttfb_store"] = write_store(ttfb_local, hidden=args.ttfb_hidden, num_tokens=args.ttfb_shards * 512, mean_len=128, max_len=512, shard_tokens=512, seed=1, fixed_len=128)
-            ttfb_url = "s3://bench/ttfb-store"
-            upload(ttfb_local, ttfb_url)
             cache_dir = str(workdir / "ttfb-cache")
             report["ttfb"] = {
                 "cold": [time_to_first_batch(s3, ttfb_url, 2048, None) for _ in range(args.repeats)],
@@ -283,7 +291,8 @@ def print_tables(report: dict[str, Any]) -> None:
     store = report["store"]
     ceiling = report["endpoint_ceiling"]
     bpt = store["bytes"] / store["num_tokens"]
-    print(f"\nstore: {store['num_tokens']:,} tokens, {store['num_samples']} samples, {store['num_shards']} shards, {bpt:,.0f} bytes/token; H={report['settings']['hidden']}")
+    print(f"\nstore: {store['num_tokens']:,} tokens, {store['num_samples']} samples, {store['num_shards']} shards, {bpt:,.0f} bytes/token; H={report['settings']['hidden']}; "
+          f"moto endpoint: {report['settings'].get('endpoint_processes', 1)} process(es)")
     print("\n| read path | tokens/s | vs local | requests/epoch | GET bytes/epoch |")
     print("|---|---:|---:|---:|---:|")
     print(f"| local filesystem (warm page cache) | {s['local_tokens_per_s']:,} | 1.00x | - | - |")

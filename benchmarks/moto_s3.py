@@ -12,22 +12,37 @@ stops moto from copying a whole object to answer a ranged GET (``fast_ranges``, 
     with MotoS3() as s3:
         s3.environ()           # {"AWS_ENDPOINT_URL": ..., dummy keys}: what s3fs/botocore read
         s3.requests(reset=True)
+
+One moto process answers every request in Python under one GIL: it, not the client, sets the pace
+of a fast reader (RESULTS.md, "On 16 idle cores"). A real S3 endpoint scales with connections.
+``MotoS3(processes=N)`` comes closer: once the objects are written, :meth:`MotoS3.freeze` forks the
+server into N processes that accept on the same listening socket, each with a copy-on-write copy of
+moto's state. From then on the endpoint is read-only (a write would reach one copy only, so it is
+refused with 405 and a message saying why), and the request counts are kept in shared memory across
+the N processes. The objects are kept in memory, not in moto's spill files (whose file offsets the
+forked processes would share).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
+import socketserver
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from collections import Counter
 from typing import Any
 
 COUNTS_PATH = "/__hsstore_requests"
+FREEZE_PATH = "/__hsstore_freeze"  # POST ?processes=N: fork into N read-only server processes
+# What the counters count (shared memory: the forked processes add to the same slots).
+COUNTED = ("GET", "HEAD", "PUT", "POST", "DELETE", "other", "GET_ranged", "response_bytes")
+READ_METHODS = {"GET", "HEAD"}
 # Dummy credentials for the loopback endpoint only; never a real account.
 DUMMY_KEYS = {
     "AWS_ACCESS_KEY_ID": "hsstore-test",
@@ -37,36 +52,64 @@ DUMMY_KEYS = {
 
 
 class _Counting:
-    """WSGI middleware: counts requests per method and the bytes sent back."""
+    """WSGI middleware: counts requests per method and the bytes sent back, in shared memory so
+    that the processes of a frozen endpoint (MotoS3.freeze) count together; answers the count and
+    freeze paths; refuses writes once frozen."""
 
     def __init__(self, app: Any):
+        import multiprocessing
+
         self.app = app
-        self.lock = threading.Lock()
-        self.counts: Counter[str] = Counter()
+        self.counts = multiprocessing.get_context("fork").Array("q", len(COUNTED))  # with its lock
+        self.freeze_to: int = 0  # set by a freeze request: the processes to fork into
+        self.frozen = False
+        self.on_freeze: Any = None  # the server's shutdown, set by serve()
+
+    def add(self, **amounts: int) -> None:
+        with self.counts.get_lock():
+            for name, amount in amounts.items():
+                self.counts[COUNTED.index(name)] += amount
+
+    def snapshot(self, reset: bool) -> dict[str, int]:
+        with self.counts.get_lock():
+            values = dict(zip(COUNTED, self.counts[:], strict=True))
+            if reset:
+                self.counts[:] = [0] * len(COUNTED)
+        return {name: value for name, value in values.items() if value}
 
     def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
-        if environ.get("PATH_INFO") == COUNTS_PATH:
-            with self.lock:
-                body = json.dumps(dict(self.counts)).encode()
-                if "reset" in environ.get("QUERY_STRING", ""):
-                    self.counts.clear()
-            start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
-            return [body]
+        path = environ.get("PATH_INFO")
         method = environ.get("REQUEST_METHOD", "?")
-        ranged = "HTTP_RANGE" in environ
-        with self.lock:
-            self.counts[method] += 1
-            if ranged:
-                self.counts["GET_ranged"] += 1
+        if path == COUNTS_PATH:
+            return _answer(start_response, "200 OK", json.dumps(self.snapshot("reset" in environ.get("QUERY_STRING", ""))))
+        if path == FREEZE_PATH and method == "POST":
+            processes = int(environ.get("QUERY_STRING", "processes=1").partition("processes=")[2] or 1)
+            if not self.frozen and processes > 1:
+                self.freeze_to = processes
+                threading.Thread(target=self.on_freeze, daemon=True).start()  # serve_forever returns
+            return _answer(start_response, "200 OK", json.dumps({"processes": processes}))
+        if self.frozen and method not in READ_METHODS:
+            return _answer(
+                start_response, "405 Method Not Allowed",
+                f"{method} refused: this moto endpoint was frozen into several read-only processes "
+                "(benchmarks/moto_s3.py, MotoS3.freeze); each holds its own copy of the objects, so a "
+                "write would reach one of them only. Write everything before freeze().",
+            )
+        self.add(**{method if method in COUNTED else "other": 1}, GET_ranged=int("HTTP_RANGE" in environ))
         chunks = self.app(environ, start_response)
         sent = 0
         out = []
         for chunk in chunks:
             sent += len(chunk)
             out.append(chunk)
-        with self.lock:
-            self.counts["response_bytes"] += sent
+        self.add(response_bytes=sent)
         return out
+
+
+def _answer(start_response: Any, status: str, text: str) -> list[bytes]:
+    body = text.encode()
+    start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+    return [body]
 
 
 class _RangeOfKey:
@@ -117,7 +160,8 @@ def _serve_ranges_without_copying_objects() -> None:
 
 
 def serve(port: int, fast_ranges: bool = True) -> None:
-    """The child process: moto's app behind the counting middleware, threaded like moto's own server."""
+    """The child process: moto's app behind the counting middleware, threaded like moto's own
+    server; after a freeze request, the same listening socket served by N forked processes."""
     import logging
 
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
@@ -128,17 +172,34 @@ def serve(port: int, fast_ranges: bool = True) -> None:
         _serve_ranges_without_copying_objects()
     app = _Counting(DomainDispatcherApplication(create_backend_app))
     server = make_server("127.0.0.1", port, app, threaded=True)
+    app.on_freeze = server.shutdown
     print("ready", flush=True)
-    server.serve_forever()
+    # socketserver's loop, not werkzeug's serve_forever: that one closes the socket when it returns.
+    socketserver.BaseServer.serve_forever(server)
+    if not app.freeze_to:
+        return
+    app.frozen = True
+    # Every process accepts on the one socket; non-blocking, so that one that loses the race for
+    # a connection goes back to waiting instead of blocking in accept().
+    server.socket.setblocking(False)
+    for _ in range(app.freeze_to - 1):
+        if os.fork() == 0:
+            break  # a child: serves below, as the parent does
+    socketserver.BaseServer.serve_forever(server)
 
 
 class MotoS3:
     """A moto S3 server on 127.0.0.1 in a child process; a context manager."""
 
-    def __init__(self, fast_ranges: bool = True) -> None:
+    def __init__(self, fast_ranges: bool = True, processes: int = 1) -> None:
+        """``processes`` > 1: :meth:`freeze` forks the server into that many read-only processes."""
+        if processes < 1:
+            raise ValueError(f"processes must be >= 1, got {processes}")
         self.process: subprocess.Popen[str] | None = None
         self.port = 0
         self.fast_ranges = fast_ranges
+        self.processes = processes
+        self.frozen = False
 
     @property
     def endpoint(self) -> str:
@@ -148,11 +209,17 @@ class MotoS3:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([_repo_root(), os.environ.get("PYTHONPATH", "")])}
+        if self.processes > 1:
+            # Objects in memory (copy-on-write after the fork), never in spill files whose file
+            # offsets the forked processes would share.
+            env["MOTO_S3_DEFAULT_KEY_BUFFER_SIZE"] = str(1 << 50)
         self.process = subprocess.Popen(
             [sys.executable, "-c", f"import benchmarks.moto_s3 as m; m.serve({self.port}, {self.fast_ranges})"],
             stdout=subprocess.PIPE,
             text=True,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join([_repo_root(), os.environ.get("PYTHONPATH", "")])},
+            env=env,
+            start_new_session=True,  # its own process group: stop() ends the forked processes too
         )
         assert self.process.stdout is not None
         line = self.process.stdout.readline()
@@ -171,9 +238,28 @@ class MotoS3:
 
     def stop(self) -> None:
         if self.process is not None:
-            self.process.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)  # the server and any forked copies
             self.process.wait(timeout=10)
             self.process = None
+
+    def freeze(self) -> MotoS3:
+        """Fork the server into ``processes`` read-only processes (a no-op for one): call it once
+        every object is written. Later writes are refused (405)."""
+        if self.processes == 1 or self.frozen:
+            return self
+        request = urllib.request.Request(f"{self.endpoint}{FREEZE_PATH}?processes={self.processes}", method="POST")
+        with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310 - loopback only
+            response.read()
+        self.frozen = True
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the forked processes answer on the same port
+            try:
+                self.requests()
+                return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"moto S3 server on port {self.port} does not answer after the freeze")
 
     def __enter__(self) -> MotoS3:
         return self.start()
