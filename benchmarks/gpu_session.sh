@@ -74,8 +74,10 @@ extract-ray)
   #   python3 benchmarks/profile_copy_contention.py --cycles 7 --out $OUT/copy-contention.json
   # The bare forward between the runs (each run against the bare passes beside it; RESULTS.md,
   # 18:00-18:33 UTC: the gap was a fixed ~1.5 s per run before the GPU's first forward; /dev/shm
-  # made no difference). After the compute-thread and warm-up changes, check gpu_head_seconds:
-  #   EXTRACT_RAY_ARGS="--gpus 1 --split-gpus 1 --tokens 1000000 --disk-gib 1 --deadline-s 420 --sequence bare,fp8-1,bare,bf16-1,bare"
+  # made no difference). After the compute-thread and warm-up changes, check gpu_head_seconds, and
+  # read the traced run's first batches (profiler.dir; $OUT/traces) with benchmarks/trace_head.py:
+  #   EXTRACT_RAY_ARGS="--gpus 1 --split-gpus 1 --tokens 1000000 --disk-gib 1 --deadline-s 430 --sequence bare,fp8-1,bare,bf16-1,bare,fp8-1-trace"
+  #   then, here: python benchmarks/trace_head.py <files_at>/traces/extract-*.pt.trace.json.gz
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c 'import torch, transformers, sys; print(sys.version.split()[0], torch.__version__, transformers.__version__)'; nproc; df -h /tmp | tail -n 1; } | tee "$OUT/machine.txt"
   python3 benchmarks/bench_extract_ray.py run --out "$OUT" --work /tmp/hsstore-work/extract-ray ${EXTRACT_RAY_ARGS:-} 2>&1 | tail -n 40
   # The GPU-marked tests of this work (GPU fp8 encode == CPU bits, the pinned pool, a 2-GPU split).

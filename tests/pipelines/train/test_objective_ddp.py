@@ -34,6 +34,17 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _rank_gradients(rank: int, out_dir: str) -> None:
+    draft, features, ids, pos, loss_mask, docs = _inputs()
+    rows = slice(rank, rank + 1)
+    state = Distributed(rank=rank, world_size=2)
+    model = wrap_ddp(DraftObjective(draft, "draft_probs", None, ttt_length=3), state)
+    out = model({k: v[rows] for k, v in features.items()}, ids[rows], pos[rows], loss_mask[rows], docs[rows])
+    counts = all_reduce_(torch.stack(out.counts).to(torch.float64), state)
+    objective_loss(out, counts, 0.8, False, world_size=2).backward()
+    torch.save(_grads(draft), Path(out_dir) / f"rank{rank}.pt")
+
+
 def _worker(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -41,14 +52,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        draft, features, ids, pos, loss_mask, docs = _inputs()
-        rows = slice(rank, rank + 1)
-        state = Distributed(rank=rank, world_size=2)
-        model = wrap_ddp(DraftObjective(draft, "draft_probs", None, ttt_length=3), state)
-        out = model({k: v[rows] for k, v in features.items()}, ids[rows], pos[rows], loss_mask[rows], docs[rows])
-        counts = all_reduce_(torch.stack(out.counts).to(torch.float64), state)
-        objective_loss(out, counts, 0.8, False, world_size=2).backward()
-        torch.save(_grads(draft), Path(out_dir) / f"rank{rank}.pt")
+        # In a function of its own, as the trainer's _run: the DDP wrapper (its reducer holds gloo
+        # work) is gone before the group is destroyed. With it alive at destroy_process_group, a
+        # rank now and then aborted at exit ("terminate called without an active exception").
+        _rank_gradients(rank, out_dir)
+        dist.barrier()  # neither rank tears the group down while the other still uses it
     finally:
         dist.destroy_process_group()
 
