@@ -435,31 +435,35 @@ class ExtractionWorker:
         compute_start = time.perf_counter()
         started_at = time.time()
         self.profiler.start(unit.index)  # the first unit only, and only with profiler.dir set
-        with record_function(UNIT_SETUP):
-            token_ids = [row.input_ids for row in unit.rows]
-            batches = plan_batches(
-                [len(ids) for ids in token_ids],
-                self.spec.token_budget,
-                max_batch_size=self.spec.max_batch_size,
-                pad_to_multiple_of=self.spec.pad_to_multiple_of,
-            )
-            kept: list[Batch] = []  # the forwards whose features went to the shard
-            failures: list[tuple[int, str]] = []  # (position in the unit, the error) of left-out rows
-            # One GPU only: a target split over several has its forwards on more than one stream.
-            timeline = GpuTimeline(self.device if self.input_device == self.device else None)
-            writer = ShardWriter(
-                self.spec.store,
-                unit.shard_id,
-                list(self.spec.features),
-                storage_options=self.spec.storage_options,
-            )
-            sink = ShardSink(
-                writer,
-                self.device,
-                pool=self.host_buffers,
-                max_pending_batches=MAX_PENDING_BATCHES,
-                copy_pieces=len(self.capture.pace_layers),
-            )
+        token_ids = [row.input_ids for row in unit.rows]
+        kept: list[Batch] = []  # the forwards whose features went to the shard
+        failures: list[tuple[int, str]] = []  # (position in the unit, the error) of left-out rows
+        try:
+            with record_function(UNIT_SETUP):
+                batches = plan_batches(
+                    [len(ids) for ids in token_ids],
+                    self.spec.token_budget,
+                    max_batch_size=self.spec.max_batch_size,
+                    pad_to_multiple_of=self.spec.pad_to_multiple_of,
+                )
+                # One GPU only: a target split over several has its forwards on more than one stream.
+                timeline = GpuTimeline(self.device if self.input_device == self.device else None)
+                writer = ShardWriter(
+                    self.spec.store,
+                    unit.shard_id,
+                    list(self.spec.features),
+                    storage_options=self.spec.storage_options,
+                )
+                sink = ShardSink(
+                    writer,
+                    self.device,
+                    pool=self.host_buffers,
+                    max_pending_batches=MAX_PENDING_BATCHES,
+                    copy_pieces=len(self.capture.pace_layers),
+                )
+        except BaseException:
+            self.profiler.stop()  # the trace of a unit that could not start is still written
+            raise
         if self.device.type == "cuda":
             self.capture.on_pace = sink.pace  # this unit's copies ride its next forwards
         try:

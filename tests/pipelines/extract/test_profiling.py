@@ -63,3 +63,18 @@ def test_an_unwritable_trace_folder_warns_and_the_extraction_goes_on(
         summary = run_extraction(recipe)
     assert summary.num_samples_written > 0
     assert f"profiler.dir {blocker / 'traces'}: the trace could not be written" in caplog.text
+
+
+def test_only_the_first_unit_is_traced_and_a_stop_without_batches_still_writes(tmp_path: Path) -> None:
+    from pipelines.extract.profiling import FirstBatchesProfiler
+
+    profiler = FirstBatchesProfiler(str(tmp_path / "traces"), batches=3, device=torch.device("cpu"))
+    profiler.start(7)
+    torch.ones(4).sum()
+    profiler.stop()  # as when a unit fails before its first batch
+    assert profiler.written is not None and profiler.written.name.endswith("-u000007.pt.trace.json.gz")
+    profiler.start(8)  # a later unit: nothing traced
+    profiler.batch_done()
+    profiler.stop()
+    assert [p.name for p in (tmp_path / "traces").iterdir()] == [profiler.written.name]
+    assert any(e.get("name") == "aten::ones" for e in _trace_events(profiler.written))
