@@ -78,6 +78,9 @@ extract-ray)
   # read the traced run's first batches (profiler.dir; $OUT/traces) with benchmarks/trace_head.py:
   #   EXTRACT_RAY_ARGS="--gpus 1 --split-gpus 1 --tokens 1000000 --disk-gib 1 --deadline-s 430 --sequence bare,fp8-1,bare,bf16-1,bare,fp8-1-trace"
   #   then, here: python benchmarks/trace_head.py <files_at>/traces/extract-*.pt.trace.json.gz
+  # At the issue's 2.4M tokens, fp8 only on one H200 (its store is ~39 GB; bf16's 79 GB does not fit
+  # the 64 GiB disk), where a fixed ~1.5 s per run weighs 2% instead of 5%:
+  #   EXTRACT_RAY_ARGS="--gpus 1 --split-gpus 1 --tokens 2400000 --disk-gib 1 --deadline-s 430 --sequence bare,fp8-1,bare"
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c 'import torch, transformers, sys; print(sys.version.split()[0], torch.__version__, transformers.__version__)'; nproc; df -h /tmp | tail -n 1; } | tee "$OUT/machine.txt"
   python3 benchmarks/bench_extract_ray.py run --out "$OUT" --work /tmp/hsstore-work/extract-ray ${EXTRACT_RAY_ARGS:-} 2>&1 | tail -n 40
   # The GPU-marked tests of this work (GPU fp8 encode == CPU bits, the pinned pool, a 2-GPU split).
