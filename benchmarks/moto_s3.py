@@ -108,7 +108,8 @@ class _Counting:
 
 def _answer(start_response: Any, status: str, text: str) -> list[bytes]:
     body = text.encode()
-    start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+    kind = "application/json" if status.startswith("200") else "text/plain"
+    start_response(status, [("Content-Type", kind), ("Content-Length", str(len(body)))])
     return [body]
 
 
