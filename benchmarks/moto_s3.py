@@ -106,6 +106,20 @@ class _Counting:
         return out
 
 
+class _FirstByteLatency:
+    """WSGI middleware: every S3 request waits ``seconds`` before moto answers it, as the first
+    byte of a distant endpoint's answer arrives late. A sleep, not work: requests on other
+    connections (the server runs a thread per connection) wait at the same time."""
+
+    def __init__(self, app: Any, seconds: float):
+        self.app = app
+        self.seconds = seconds
+
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
+        time.sleep(self.seconds)
+        return self.app(environ, start_response)
+
+
 def _answer(start_response: Any, status: str, text: str) -> list[bytes]:
     body = text.encode()
     kind = "application/json" if status.startswith("200") else "text/plain"
@@ -160,7 +174,7 @@ def _serve_ranges_without_copying_objects() -> None:
     S3Response.get_object = get_object  # type: ignore[method-assign]
 
 
-def serve(port: int, fast_ranges: bool = True) -> None:
+def serve(port: int, fast_ranges: bool = True, latency_ms: float = 0.0) -> None:
     """The child process: moto's app behind the counting middleware, threaded like moto's own
     server; after a freeze request, the same listening socket served by N forked processes."""
     import logging
@@ -171,7 +185,10 @@ def serve(port: int, fast_ranges: bool = True) -> None:
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     if fast_ranges:
         _serve_ranges_without_copying_objects()
-    app = _Counting(DomainDispatcherApplication(create_backend_app))
+    moto_app: Any = DomainDispatcherApplication(create_backend_app)
+    if latency_ms > 0:
+        moto_app = _FirstByteLatency(moto_app, latency_ms / 1000.0)
+    app = _Counting(moto_app)  # the count and freeze paths answer at once
     server = make_server("127.0.0.1", port, app, threaded=True)
     app.on_freeze = server.shutdown
     print("ready", flush=True)
@@ -192,10 +209,15 @@ def serve(port: int, fast_ranges: bool = True) -> None:
 class MotoS3:
     """A moto S3 server on 127.0.0.1 in a child process; a context manager."""
 
-    def __init__(self, fast_ranges: bool = True, processes: int = 1) -> None:
-        """``processes`` > 1: :meth:`freeze` forks the server into that many read-only processes."""
+    def __init__(self, fast_ranges: bool = True, processes: int = 1, latency_ms: float = 0.0) -> None:
+        """``processes`` > 1: :meth:`freeze` forks the server into that many read-only processes.
+        ``latency_ms`` > 0: every S3 request waits that long before it is answered (a distant
+        endpoint's first-byte latency; loopback has none)."""
         if processes < 1:
             raise ValueError(f"processes must be >= 1, got {processes}")
+        if latency_ms < 0:
+            raise ValueError(f"latency_ms must be >= 0, got {latency_ms}")
+        self.latency_ms = latency_ms
         self.process: subprocess.Popen[str] | None = None
         self.port = 0
         self.fast_ranges = fast_ranges
@@ -216,7 +238,7 @@ class MotoS3:
             # offsets the forked processes would share.
             env["MOTO_S3_DEFAULT_KEY_BUFFER_SIZE"] = str(1 << 50)
         self.process = subprocess.Popen(
-            [sys.executable, "-c", f"import benchmarks.moto_s3 as m; m.serve({self.port}, {self.fast_ranges})"],
+            [sys.executable, "-c", f"import benchmarks.moto_s3 as m; m.serve({self.port}, {self.fast_ranges}, {self.latency_ms})"],
             stdout=subprocess.PIPE,
             text=True,
             env=env,

@@ -109,7 +109,12 @@ class LoaderConfig(RecipeModel):
         default="error", description="samples longer than token_budget: refuse, or truncate (counted)"
     )
     num_workers: int = Field(default=0, ge=0, description="DataLoader worker processes per rank")
-    read_threads: int = Field(default=4, gt=0, description="token-range reads in flight per loader")
+    read_threads: int | None = Field(
+        default=None,
+        gt=0,
+        description="token-range reads in flight per loader; default 4 for a local store, 8 for object "
+        "storage (more requests in flight hide its latency)",
+    )
     prefetch_batches: int = Field(default=4, gt=0, description="batches read ahead of the step")
     cache_dir: str | None = Field(
         default=None,

@@ -82,3 +82,26 @@ def _wait_for_group_to_end(group: int) -> None:
     while time.monotonic() < deadline:
         os.killpg(group, 0)  # raises ProcessLookupError once no process of the group is left
         time.sleep(0.05)
+
+
+def test_an_added_latency_delays_each_request_and_requests_on_other_connections_wait_together() -> None:
+    import time
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    from benchmarks.moto_s3 import MotoS3
+
+    with MotoS3(latency_ms=200) as s3:
+        def head_bucket_list() -> float:
+            started = time.perf_counter()
+            with urllib.request.urlopen(f"{s3.endpoint}/", timeout=10) as response:  # ListBuckets
+                response.read()
+            return time.perf_counter() - started
+
+        assert head_bucket_list() >= 0.2
+        started = time.perf_counter()
+        with ThreadPoolExecutor(8) as pool:
+            alone = list(pool.map(lambda _: head_bucket_list(), range(8)))
+        assert min(alone) >= 0.2
+        assert time.perf_counter() - started < 8 * 0.2 / 2  # the waits overlap, not queue
+        assert s3.requests()["GET"] == 9

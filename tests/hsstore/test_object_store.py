@@ -104,6 +104,25 @@ def test_s3_batches_equal_local_ones_with_the_endpoint_from_the_environment(stor
     _assert_same(expected, got)
 
 
+def test_more_reads_in_flight_by_default_on_object_storage(stores: tuple[str, str]) -> None:
+    from hsstore.loader import LOCAL_READ_THREADS, REMOTE_READ_THREADS
+    from hsstore.packing import LoaderError
+
+    local, url = stores
+    settings = {k: v for k, v in _settings().items() if k != "read_threads"}
+    assert hsstore.StreamingLoader(local, FEATURES, **settings).read_threads == LOCAL_READ_THREADS == 4
+    remote = hsstore.StreamingLoader(url, FEATURES, **settings)
+    assert remote.read_threads == REMOTE_READ_THREADS == 8  # an object store's latency wants more in flight
+    # The same batches whatever the number of reads in flight: each read lands in its own place.
+    _assert_same(
+        [_snapshot(b) for b in remote.batches(max_epochs=1)],
+        [_snapshot(b) for b in hsstore.StreamingLoader(local, FEATURES, **settings, read_threads=1).batches(max_epochs=1)],
+    )
+    assert hsstore.StreamingLoader(url, FEATURES, **settings, read_threads=2).read_threads == 2
+    with pytest.raises(LoaderError, match="read_threads must be >= 1, got 0"):
+        hsstore.StreamingLoader(local, FEATURES, **settings, read_threads=0)
+
+
 def test_storage_options_reach_the_endpoint_without_the_environment(
     tmp_path: Path, s3: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
