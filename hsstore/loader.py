@@ -54,13 +54,6 @@ from hsstore.store import Store, open_store
 
 logger = logging.getLogger(__name__)
 
-# Reads in flight by default. A local read is a preadv from the page cache or a disk: 4 keep it busy.
-# An object store answers each request after a latency of its own, which more requests in flight
-# hide: against moto with 100 ms added per request, 8 threads read 1.47x (obstore) and 1.18x (s3fs)
-# what 4 read; with 20 ms the two were within noise (benchmarks/RESULTS.md, "Requests in flight").
-LOCAL_READ_THREADS = 4
-REMOTE_READ_THREADS = 8
-
 # (epoch, batch index, rows of global sample indices): one batch of a read group.
 _GroupItem = tuple[int, int, list[np.ndarray]]
 # (epoch, batch index, rows of sample indices, feature buffers being read into)
@@ -100,8 +93,7 @@ class StreamingLoader:
         """``storage_options``, ``cache``: for a URL (:func:`open_store`); a cache is attached to a
         given Store. ``layers``: leading indices to read per feature (``{"aux_hidden_states": [0, 2]}``,
         see :func:`hsstore.aux_layers.select_aux_layers`); batches hold only those.
-        ``read_threads``: reads in flight; default :data:`LOCAL_READ_THREADS` for a local store,
-        :data:`REMOTE_READ_THREADS` for object storage."""
+        ``read_threads``: reads in flight (default: ``StoreLocation.read_threads``, more on object storage)."""
         self.store: Store = store if isinstance(store, Store) else open_store(store, storage_options=storage_options, cache=cache)
         self.store.cache = cache or self.store.cache
         self.features = [name for name in features if name not in TABLE_FEATURES]
@@ -117,11 +109,9 @@ class StreamingLoader:
         self.world_size = world_size
         self.remainder: Remainder = remainder
         self.long_samples: LongSamples = long_samples
-        if read_threads is None:
-            read_threads = LOCAL_READ_THREADS if self.store.location.is_local else REMOTE_READ_THREADS
-        if read_threads < 1:
+        if read_threads is not None and read_threads < 1:
             raise LoaderError(f"read_threads must be >= 1, got {read_threads}")
-        self.read_threads = read_threads
+        self.read_threads = read_threads or self.store.location.read_threads
         self.prefetch_batches = prefetch_batches
         self.skip_corrupt = skip_corrupt
         self.decode_on_host = decode_on_host
@@ -423,10 +413,4 @@ class StreamingLoader:
         return kept, packed
 
 
-__all__ = [
-    "BatchPosition",
-    "HostBatch",
-    "LoaderError",
-    "LoaderState",
-    "StreamingLoader",
-]
+__all__ = ["BatchPosition", "HostBatch", "LoaderError", "LoaderState", "StreamingLoader"]

@@ -38,6 +38,12 @@ from hsstore.range_reads import ENV_VAR as RANGE_READER_ENV
 from hsstore.range_reads import ObstoreRangeReader, configured_reader
 
 HASH_BLOCK = 8 << 20
+# Reads in flight a loader keeps by default (StoreLocation.read_threads). 4 keep a local disk busy; an
+# object store answers each request after a latency of its own, which more requests in flight hide:
+# against moto with 100 ms added per request, 8 read 1.47x (obstore) / 1.18x (s3fs) what 4 read, and
+# with 20 ms the two were within noise (benchmarks/RESULTS.md, "Requests in flight").
+LOCAL_READ_THREADS = 4
+REMOTE_READ_THREADS = 8
 
 
 class StoreLocation:
@@ -69,6 +75,11 @@ class StoreLocation:
 
     def __repr__(self) -> str:
         return f"StoreLocation({self.url!r})"
+
+    @property
+    def read_threads(self) -> int:
+        """Reads in flight a loader keeps by default for a store here."""
+        return LOCAL_READ_THREADS if self.is_local else REMOTE_READ_THREADS
 
     def __getstate__(self) -> dict[str, Any]:
         # Filesystem objects hold sockets and event loops: ship the URL, rebuild on the other side.

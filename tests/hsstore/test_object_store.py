@@ -105,7 +105,7 @@ def test_s3_batches_equal_local_ones_with_the_endpoint_from_the_environment(stor
 
 
 def test_more_reads_in_flight_by_default_on_object_storage(stores: tuple[str, str]) -> None:
-    from hsstore.loader import LOCAL_READ_THREADS, REMOTE_READ_THREADS
+    from hsstore.location import LOCAL_READ_THREADS, REMOTE_READ_THREADS
     from hsstore.packing import LoaderError
 
     local, url = stores
