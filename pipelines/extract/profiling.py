@@ -14,9 +14,11 @@ machine: Chrome's about:tracing, Perfetto (ui.perfetto.dev) and TensorBoard open
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -34,9 +36,9 @@ UNIT_FLUSH = "hsstore.unit_flush"  # the unit's last copies issued
 class FirstBatchesProfiler:
     """Traces one worker's first unit from its start to its ``batches``-th forward (or its end).
 
-    ``start(unit_index)`` once per unit; ``batch_done()`` after each batch; ``stop()`` when the
-    unit's forwards end. Only the first unit started is traced; with ``directory`` None every
-    call does nothing."""
+    ``with profiler.unit(unit_index):`` around each unit's forwards (``start`` and ``stop``);
+    ``batch_done()`` after each batch. Only the first unit started is traced; with ``directory``
+    None every call does nothing."""
 
     def __init__(self, directory: str | None, batches: int, device: torch.device):
         self.directory = directory
@@ -47,6 +49,16 @@ class FirstBatchesProfiler:
         self._seen = 0
         self._done = directory is None
         self.written: Path | None = None  # the trace, once written
+
+    @contextlib.contextmanager
+    def unit(self, unit_index: int) -> Iterator[None]:
+        """Trace this unit if it is the first; the trace ends with it at the latest, also when it
+        fails (a unit of fewer batches than ``batches``, or one that could not start)."""
+        self.start(unit_index)
+        try:
+            yield
+        finally:
+            self.stop()
 
     def start(self, unit_index: int) -> None:
         if self._done or self._profile is not None:

@@ -434,11 +434,10 @@ class ExtractionWorker:
         """The unit's forwards, on the compute thread: each batch's features go to the unit's sink."""
         compute_start = time.perf_counter()
         started_at = time.time()
-        self.profiler.start(unit.index)  # the first unit only, and only with profiler.dir set
-        token_ids = [row.input_ids for row in unit.rows]
-        kept: list[Batch] = []  # the forwards whose features went to the shard
-        failures: list[tuple[int, str]] = []  # (position in the unit, the error) of left-out rows
-        try:
+        with self.profiler.unit(unit.index):  # traced: the first unit only, with profiler.dir set
+            token_ids = [row.input_ids for row in unit.rows]
+            kept: list[Batch] = []  # the forwards whose features went to the shard
+            failures: list[tuple[int, str]] = []  # (position in the unit, the error) of left-out rows
             with record_function(UNIT_SETUP):
                 batches = plan_batches(
                     [len(ids) for ids in token_ids],
@@ -461,37 +460,33 @@ class ExtractionWorker:
                     max_pending_batches=MAX_PENDING_BATCHES,
                     copy_pieces=len(self.capture.pace_layers),
                 )
-        except BaseException:
-            self.profiler.stop()  # the trace of a unit that could not start is still written
-            raise
-        if self.device.type == "cuda":
-            self.capture.on_pace = sink.pace  # this unit's copies ride its next forwards
-        try:
-            for batch in batches:
-                with record_function(BATCH):
-                    num_samples, num_tokens = self._batch(unit, token_ids, batch, timeline, sink, kept, failures)
-                self.profiler.batch_done()
-                if on_batch is not None and num_samples:
-                    on_batch(num_samples, num_tokens)
-            if failures and not kept:
-                index, error = min(failures)
-                raise ExtractionError(
-                    f"unit {unit.index} (shard {unit.shard_id}): the target raised on every "
-                    f"one of its {len(unit.rows)} samples (first: {unit.origin(index)}: "
-                    f"{error}). That is a target/tokenizer mismatch or a broken target, not "
-                    "bad records; nothing of the unit was written"
-                )
             if self.device.type == "cuda":
-                # The last batch has no next forward in this unit: its copy goes now, in one
-                # piece, and the next unit's forwards pace only its own batches.
-                with record_function(UNIT_FLUSH):
-                    sink.flush_copies()
-        except BaseException:
-            sink.abort()
-            raise
-        finally:
-            self.capture.on_pace = None
-            self.profiler.stop()  # a unit of fewer batches than profiler.batches ends its trace
+                self.capture.on_pace = sink.pace  # this unit's copies ride its next forwards
+            try:
+                for batch in batches:
+                    with record_function(BATCH):
+                        num_samples, num_tokens = self._batch(unit, token_ids, batch, timeline, sink, kept, failures)
+                    self.profiler.batch_done()
+                    if on_batch is not None and num_samples:
+                        on_batch(num_samples, num_tokens)
+                if failures and not kept:
+                    index, error = min(failures)
+                    raise ExtractionError(
+                        f"unit {unit.index} (shard {unit.shard_id}): the target raised on every "
+                        f"one of its {len(unit.rows)} samples (first: {unit.origin(index)}: "
+                        f"{error}). That is a target/tokenizer mismatch or a broken target, not "
+                        "bad records; nothing of the unit was written"
+                    )
+                if self.device.type == "cuda":
+                    # The last batch has no next forward in this unit: its copy goes now, in one
+                    # piece, and the next unit's forwards pace only its own batches.
+                    with record_function(UNIT_FLUSH):
+                        sink.flush_copies()
+            except BaseException:
+                sink.abort()
+                raise
+            finally:
+                self.capture.on_pace = None
         previous_end = self._last_forward_end
         self._last_forward_end = timeline.last_end or previous_end
         return _ComputedUnit(
