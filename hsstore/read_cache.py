@@ -26,6 +26,8 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
+
 from hsstore.checksum import CRC_BYTES, crc32c_bytes
 
 
@@ -179,11 +181,15 @@ class ReadCache:
 
 
 def scatter(data: bytes | memoryview, parts: list[Any]) -> None:
-    """Copy ``data`` over the writable buffers ``parts``, one after another."""
-    view, at = memoryview(data).cast("B"), 0
+    """Copy ``data`` over the writable buffers ``parts``, one after another.
+
+    Through numpy, which copies without the GIL; a memoryview slice assignment holds it, and the
+    loader's other read threads (a ranged GET of ~10 MB returns every few ms per thread) waited
+    behind every copy."""
+    source, at = np.frombuffer(data, dtype=np.uint8), 0
     for part in parts:
-        target = memoryview(part).cast("B")
-        target[:] = view[at : at + target.nbytes]
+        target = np.frombuffer(part, dtype=np.uint8)  # a writable part gives a writable view
+        np.copyto(target, source[at : at + target.nbytes])
         at += target.nbytes
 
 
