@@ -31,6 +31,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import numpy as np
@@ -265,13 +266,15 @@ class StreamingLoader:
                     (epoch, j, self.plan(epoch).batches[j])
                     for _, (epoch, j) in zip(range(1 if first else group_size), mine, strict=False)
                 ]
-                first = False
                 if group and opener is not None:
                     samples = [int(s) for _, _, rows in group for row in rows for s in row]
                     self._catalog.open_ahead(samples, self.features, self.layers, opener)
                 if group:
                     planned, reads = self._start_group(group, readers)
                     pending.append(assembler.submit(self._finish_group, planned, reads))
+                    if first:  # the first batch read alone: no later group's GETs share the endpoint with it
+                        futures_wait(pending)
+                first = False
                 if not pending:
                     return
                 # Keep one group reading while the oldest is consumed.

@@ -39,11 +39,13 @@ from hsstore.range_reads import ObstoreRangeReader, configured_reader
 
 HASH_BLOCK = 8 << 20
 # Reads in flight a loader keeps by default (StoreLocation.read_threads). 4 keep a local disk busy; an
-# object store answers each request after a latency of its own, which more requests in flight hide:
-# against moto with 100 ms added per request, 8 read 1.47x (obstore) / 1.18x (s3fs) what 4 read, and
-# with 20 ms the two were within noise (benchmarks/RESULTS.md, "Requests in flight").
+# object store answers each request after a latency of its own, which more requests in flight hide,
+# and a thread waiting on a GET costs no CPU: against moto with 100 ms added per request, 8 read
+# 1.47x (obstore) / 1.18x (s3fs) what 4 read and 16 read 1.12x what 8 read; on loopback 16 read
+# 1.13x (16 cores) / 1.17x (2 cores) what 8 read, 32 no more than 16 (benchmarks/RESULTS.md,
+# "Requests in flight" and "The copy without the GIL").
 LOCAL_READ_THREADS = 4
-REMOTE_READ_THREADS = 8
+REMOTE_READ_THREADS = 16
 
 
 class StoreLocation:

@@ -204,6 +204,31 @@ def test_batch_buffers_are_recycled_only_once_released(store_url: str) -> None:
     assert releasing._buffers.num_allocated < len(kept)
 
 
+def test_the_first_batch_is_read_alone(store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first batch's reads have the store to themselves: the next group's reads start only
+    once it is complete (on object storage they would share the endpoint's bandwidth and delay the
+    trainer's first step); from then on one group reads while the previous one is consumed."""
+    loader = make_loader(store_url, prefetch_batches=4)
+    events: list[str] = []
+    start_group, finish_group = StreamingLoader._start_group, StreamingLoader._finish_group
+
+    def started(self: StreamingLoader, group: list, pool: object) -> object:
+        events.append(f"start {len(group)}")
+        return start_group(self, group, pool)  # type: ignore[arg-type]
+
+    def finished(self: StreamingLoader, batches: list, reads: list) -> object:
+        out = finish_group(self, batches, reads)
+        events.append(f"done {len(batches)}")
+        return out
+
+    monkeypatch.setattr(StreamingLoader, "_start_group", started)
+    monkeypatch.setattr(StreamingLoader, "_finish_group", finished)
+    batches = loader.batches(max_epochs=1)
+    next(batches)
+    assert events[:3] == ["start 1", "done 1", "start 2"]
+    assert len(list(batches)) == loader.num_batches(0) - 1
+
+
 def test_to_device_releases_only_what_it_no_longer_shares(store_url: str) -> None:
     """On a CPU the device batch shares the host buffers: kept unless asked; with release=True
     the decoded tensors are copies that later batches cannot overwrite."""

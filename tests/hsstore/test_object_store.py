@@ -112,7 +112,7 @@ def test_more_reads_in_flight_by_default_on_object_storage(stores: tuple[str, st
     settings = {k: v for k, v in _settings().items() if k != "read_threads"}
     assert hsstore.StreamingLoader(local, FEATURES, **settings).read_threads == LOCAL_READ_THREADS == 4
     remote = hsstore.StreamingLoader(url, FEATURES, **settings)
-    assert remote.read_threads == REMOTE_READ_THREADS == 8  # an object store's latency wants more in flight
+    assert remote.read_threads == REMOTE_READ_THREADS == 16  # an object store's latency wants more in flight
     # The same batches whatever the number of reads in flight: each read lands in its own place.
     _assert_same(
         [_snapshot(b) for b in remote.batches(max_epochs=1)],

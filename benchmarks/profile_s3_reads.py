@@ -1,0 +1,120 @@
+"""Where the loader's S3 read time goes (issue 16): thread time per phase, for several read_threads.
+
+Reads one epoch of a synthetic store (benchmarks/bench_object_store.py's) from moto on loopback
+through obstore, ``--repeats`` times per ``read_threads`` value, with the local filesystem at the
+same value after each series (the baseline of the same run). Each S3 epoch reports tokens/s (whole
+epoch, and past its first batch) and the thread time summed over the read threads in the three
+things a read thread does per ranged GET: the GET itself (``StoreLocation.read_range``), the copy
+into the batch (``hsstore.read_cache.scatter``) and the crc32c of every chunk. The phases are
+timed by wrapping those three functions in this process (a few microseconds per call; the GETs
+are ~10 MB each).
+
+    python benchmarks/profile_s3_reads.py --threads 8,16,32 --endpoint-processes 8 --tokens 98304
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import hsstore.format.array_reader as array_reader  # noqa: E402
+from benchmarks.bench_object_store import read_epoch, upload, write_store  # noqa: E402
+from benchmarks.moto_s3 import MotoS3  # noqa: E402
+from hsstore.location import StoreLocation  # noqa: E402
+from hsstore.range_reads import ENV_VAR as RANGE_READER_ENV  # noqa: E402
+
+
+class PhaseTimes:
+    """Thread time per phase, summed over threads, from wrapped functions."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def wrap(self, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
+                    self.calls[name] = self.calls.get(name, 0) + 1
+
+        return timed
+
+    def take(self) -> dict[str, Any]:
+        with self._lock:
+            out = {"seconds": {k: round(v, 3) for k, v in self.seconds.items()}, "calls": dict(self.calls)}
+            self.seconds, self.calls = {}, {}
+        return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", default="8,16", help="read_threads values, comma-separated")
+    parser.add_argument("--endpoint-processes", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=49_152)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+
+    phases = PhaseTimes()
+    plain_read_range = StoreLocation.read_range
+    array_reader.scatter = phases.wrap("copy", array_reader.scatter)  # type: ignore[assignment]
+    array_reader.crc32c_bytes = phases.wrap("crc32c", array_reader.crc32c_bytes)  # type: ignore[assignment]
+    StoreLocation.read_range = phases.wrap("get", plain_read_range)  # type: ignore[method-assign]
+
+    workdir = Path(tempfile.mkdtemp(prefix="profile-s3-reads-"))
+    report: dict[str, Any] = {
+        "command": " ".join(["profile_s3_reads.py", *(argv if argv is not None else sys.argv[1:])]),
+        "machine": {"nproc": os.cpu_count()},
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "runs": {},
+    }
+    try:
+        with MotoS3(processes=args.endpoint_processes) as s3:
+            os.environ.update(s3.environ())
+            report["store"] = write_store(workdir / "store", hidden=args.hidden, num_tokens=args.tokens, mean_len=600, max_len=2048, shard_tokens=8192, seed=0)
+            upload(workdir / "store", "s3://bench/store")
+            s3.freeze()
+            for threads in [int(t) for t in args.threads.split(",")]:
+                settings = {"token_budget": 4096, "read_threads": threads, "prefetch_batches": 4, "shuffle_window": 1024, "seed": 0}
+                series = report["runs"].setdefault(f"threads_{threads}", {"s3_obstore": [], "local": []})
+                os.environ[RANGE_READER_ENV] = "obstore"
+                try:
+                    for _ in range(args.repeats):
+                        phases.take()
+                        epoch = read_epoch("s3://bench/store", settings)
+                        series["s3_obstore"].append({**epoch, "phases": phases.take()})
+                        print(f"threads {threads:2d} s3 obstore: {epoch['tokens_per_s']:>9,.0f} tokens/s, past the first batch "
+                              f"{epoch['steady_tokens_per_s']:>9,.0f}; thread seconds {series['s3_obstore'][-1]['phases']['seconds']}", flush=True)
+                finally:
+                    os.environ.pop(RANGE_READER_ENV, None)
+                epoch = read_epoch(str(workdir / "store"), settings)
+                series["local"].append(epoch)
+                print(f"threads {threads:2d} local:      {epoch['tokens_per_s']:>9,.0f} tokens/s, past the first batch {epoch['steady_tokens_per_s']:>9,.0f}", flush=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
