@@ -184,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard-tokens", type=int, default=8192, help="store shard size of the throughput store")
     parser.add_argument("--token-budget", type=int, default=4096)
     parser.add_argument("--read-threads", type=int, default=4)
+    parser.add_argument("--prefetch-batches", type=int, default=4,
+                        help="the same for every read path (the loader's own defaults: 4 locally, 8 on object storage)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ttfb-shards", type=int, default=1000)
     parser.add_argument("--ttfb-hidden", type=int, default=64)
@@ -206,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         has_obstore = False
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-object-store-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    settings = {"token_budget": args.token_budget, "read_threads": args.read_threads, "prefetch_batches": 4, "shuffle_window": 1024, "seed": 0}
+    settings = {"token_budget": args.token_budget, "read_threads": args.read_threads, "prefetch_batches": args.prefetch_batches, "shuffle_window": 1024, "seed": 0}
     report: dict[str, Any] = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "machine": {"nproc": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},

@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=49_152)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prefetch-batches", default="4", help="prefetch_batches values, comma-separated (each with every --threads)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -93,22 +94,23 @@ def main(argv: list[str] | None = None) -> int:
             report["store"] = write_store(workdir / "store", hidden=args.hidden, num_tokens=args.tokens, mean_len=600, max_len=2048, shard_tokens=8192, seed=0)
             upload(workdir / "store", "s3://bench/store")
             s3.freeze()
-            for threads in [int(t) for t in args.threads.split(",")]:
-                settings = {"token_budget": 4096, "read_threads": threads, "prefetch_batches": 4, "shuffle_window": 1024, "seed": 0}
-                series = report["runs"].setdefault(f"threads_{threads}", {"s3_obstore": [], "local": []})
+            for threads, prefetch in [(int(t), int(p)) for p in args.prefetch_batches.split(",") for t in args.threads.split(",")]:
+                settings = {"token_budget": 4096, "read_threads": threads, "prefetch_batches": prefetch, "shuffle_window": 1024, "seed": 0}
+                name = f"threads_{threads}" + (f"_prefetch_{prefetch}" if prefetch != 4 else "")
+                series = report["runs"].setdefault(name, {"s3_obstore": [], "local": []})
                 os.environ[RANGE_READER_ENV] = "obstore"
                 try:
                     for _ in range(args.repeats):
                         phases.take()
                         epoch = read_epoch("s3://bench/store", settings)
                         series["s3_obstore"].append({**epoch, "phases": phases.take()})
-                        print(f"threads {threads:2d} s3 obstore: {epoch['tokens_per_s']:>9,.0f} tokens/s, past the first batch "
+                        print(f"{name} s3 obstore: {epoch['tokens_per_s']:>9,.0f} tokens/s, past the first batch "
                               f"{epoch['steady_tokens_per_s']:>9,.0f}; thread seconds {series['s3_obstore'][-1]['phases']['seconds']}", flush=True)
                 finally:
                     os.environ.pop(RANGE_READER_ENV, None)
                 epoch = read_epoch(str(workdir / "store"), settings)
                 series["local"].append(epoch)
-                print(f"threads {threads:2d} local:      {epoch['tokens_per_s']:>9,.0f} tokens/s, past the first batch {epoch['steady_tokens_per_s']:>9,.0f}", flush=True)
+                print(f"{name} local:      {epoch['tokens_per_s']:>9,.0f} tokens/s, past the first batch {epoch['steady_tokens_per_s']:>9,.0f}", flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if args.out:

@@ -84,7 +84,7 @@ class StreamingLoader:
         remainder: Remainder = "drop",
         long_samples: LongSamples = "error",
         read_threads: int | None = None,
-        prefetch_batches: int = 4,
+        prefetch_batches: int | None = None,
         skip_corrupt: bool = False,
         decode_on_host: bool = False,
         storage_options: dict[str, Any] | None = None,
@@ -94,7 +94,8 @@ class StreamingLoader:
         """``storage_options``, ``cache``: for a URL (:func:`open_store`); a cache is attached to a
         given Store. ``layers``: leading indices to read per feature (``{"aux_hidden_states": [0, 2]}``,
         see :func:`hsstore.aux_layers.select_aux_layers`); batches hold only those.
-        ``read_threads``: reads in flight (default: ``StoreLocation.read_threads``, more on object storage)."""
+        ``read_threads``, ``prefetch_batches``: reads in flight, batches read ahead (defaults from the
+        ``StoreLocation``: more on object storage)."""
         self.store: Store = store if isinstance(store, Store) else open_store(store, storage_options=storage_options, cache=cache)
         self.store.cache = cache or self.store.cache
         self.features = [name for name in features if name not in TABLE_FEATURES]
@@ -110,10 +111,11 @@ class StreamingLoader:
         self.world_size = world_size
         self.remainder: Remainder = remainder
         self.long_samples: LongSamples = long_samples
-        if read_threads is not None and read_threads < 1:
-            raise LoaderError(f"read_threads must be >= 1, got {read_threads}")
+        for name, value in (("read_threads", read_threads), ("prefetch_batches", prefetch_batches)):
+            if value is not None and value < 1:
+                raise LoaderError(f"{name} must be >= 1, got {value}")
         self.read_threads = read_threads or self.store.location.read_threads
-        self.prefetch_batches = prefetch_batches
+        self.prefetch_batches = prefetch_batches or self.store.location.prefetch_batches
         self.skip_corrupt = skip_corrupt
         self.decode_on_host = decode_on_host
         # Fixed for the loader's life (read per batch): the features as stored, as batches hold
@@ -135,11 +137,8 @@ class StreamingLoader:
         self._scratch = threading.local()
         # Batch buffers, recycled when a batch is released (HostBatch.release); enough free sets for
         # the batches in flight and one being consumed.
-        self._buffers = BatchBufferPool(
-            [array for spec in self._specs.values() for array in spec.stored_arrays()],
-            token_budget,
-            max_free=prefetch_batches + 2,
-        )
+        arrays = [array for spec in self._specs.values() for array in spec.stored_arrays()]
+        self._buffers = BatchBufferPool(arrays, token_budget, max_free=self.prefetch_batches + 2)
         self._catalog = build_catalog(self.store)
         self._plans: dict[int, EpochPlan] = {}
         self._plans_lock = threading.Lock()

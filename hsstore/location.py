@@ -46,6 +46,12 @@ HASH_BLOCK = 8 << 20
 # "Requests in flight" and "The copy without the GIL").
 LOCAL_READ_THREADS = 4
 REMOTE_READ_THREADS = 16
+# Batches a loader reads ahead by default (StoreLocation.prefetch_batches). Reads land straight in
+# batch buffers, so the reads in flight are bounded by the batches being read: with 4 (two groups of
+# two), 16 read threads on object storage sat idle half the time; 8 read 1.26-1.31x what 4 read
+# there, 16 less than 8 (more fresh buffers to fault in); locally 4 keep the threads busy.
+LOCAL_PREFETCH_BATCHES = 4
+REMOTE_PREFETCH_BATCHES = 8
 
 
 class StoreLocation:
@@ -82,6 +88,11 @@ class StoreLocation:
     def read_threads(self) -> int:
         """Reads in flight a loader keeps by default for a store here."""
         return LOCAL_READ_THREADS if self.is_local else REMOTE_READ_THREADS
+
+    @property
+    def prefetch_batches(self) -> int:
+        """Batches a loader reads ahead by default for a store here."""
+        return LOCAL_PREFETCH_BATCHES if self.is_local else REMOTE_PREFETCH_BATCHES
 
     def __getstate__(self) -> dict[str, Any]:
         # Filesystem objects hold sockets and event loops: ship the URL, rebuild on the other side.

@@ -112,10 +112,15 @@ class LoaderConfig(RecipeModel):
     read_threads: int | None = Field(
         default=None,
         gt=0,
-        description="token-range reads in flight per loader; default 4 for a local store, 8 for object "
+        description="token-range reads in flight per loader; default 4 for a local store, 16 for object "
         "storage (more requests in flight hide its latency)",
     )
-    prefetch_batches: int = Field(default=4, gt=0, description="batches read ahead of the step")
+    prefetch_batches: int | None = Field(
+        default=None,
+        gt=0,
+        description="batches read ahead of the step; default 4 for a local store, 8 for object storage "
+        "(reads land in the batches being read ahead, so these bound the reads in flight)",
+    )
     cache_dir: str | None = Field(
         default=None,
         description=(

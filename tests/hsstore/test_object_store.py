@@ -105,14 +105,21 @@ def test_s3_batches_equal_local_ones_with_the_endpoint_from_the_environment(stor
 
 
 def test_more_reads_in_flight_by_default_on_object_storage(stores: tuple[str, str]) -> None:
-    from hsstore.location import LOCAL_READ_THREADS, REMOTE_READ_THREADS
+    from hsstore.location import (
+        LOCAL_PREFETCH_BATCHES,
+        LOCAL_READ_THREADS,
+        REMOTE_PREFETCH_BATCHES,
+        REMOTE_READ_THREADS,
+    )
     from hsstore.packing import LoaderError
 
     local, url = stores
-    settings = {k: v for k, v in _settings().items() if k != "read_threads"}
-    assert hsstore.StreamingLoader(local, FEATURES, **settings).read_threads == LOCAL_READ_THREADS == 4
+    settings = {k: v for k, v in _settings().items() if k not in ("read_threads", "prefetch_batches")}
+    here = hsstore.StreamingLoader(local, FEATURES, **settings)
+    assert (here.read_threads, here.prefetch_batches) == (LOCAL_READ_THREADS, LOCAL_PREFETCH_BATCHES) == (4, 4)
     remote = hsstore.StreamingLoader(url, FEATURES, **settings)
-    assert remote.read_threads == REMOTE_READ_THREADS == 16  # an object store's latency wants more in flight
+    # An object store's latency wants more requests in flight, and they need batches to land in.
+    assert (remote.read_threads, remote.prefetch_batches) == (REMOTE_READ_THREADS, REMOTE_PREFETCH_BATCHES) == (16, 8)
     # The same batches whatever the number of reads in flight: each read lands in its own place.
     _assert_same(
         [_snapshot(b) for b in remote.batches(max_epochs=1)],
@@ -121,6 +128,8 @@ def test_more_reads_in_flight_by_default_on_object_storage(stores: tuple[str, st
     assert hsstore.StreamingLoader(url, FEATURES, **settings, read_threads=2).read_threads == 2
     with pytest.raises(LoaderError, match="read_threads must be >= 1, got 0"):
         hsstore.StreamingLoader(local, FEATURES, **settings, read_threads=0)
+    with pytest.raises(LoaderError, match="prefetch_batches must be >= 1, got 0"):
+        hsstore.StreamingLoader(local, FEATURES, **settings, prefetch_batches=0)
 
 
 def test_storage_options_reach_the_endpoint_without_the_environment(
