@@ -154,8 +154,10 @@ cache = ReadCache({cache!r}, 1 << 30) if {cache!r} else None
 started = time.perf_counter()
 loader = hsstore.StreamingLoader({url!r}, ["aux_hidden_states", "final_hidden_state"], token_budget={budget}, cache=cache)
 opened = time.perf_counter()
-batch = next(iter(loader.batches(max_epochs=1)))
+batches = loader.batches(max_epochs=1)  # held: closing it waits for the reads already in flight
+batch = next(batches)
 done = time.perf_counter()
+batches.close()
 print(json.dumps({{"open_and_plan_s": opened - started, "first_batch_s": done - started, "tokens": batch.num_real_tokens}}))
 """
 
@@ -320,7 +322,8 @@ def print_tables(report: dict[str, Any]) -> None:
     key = next(k for k in s if k.startswith("first_batch_seconds_") and k != "first_batch_seconds_cached")
     print(f"\ntime to first batch, {report['ttfb_store']['num_shards']} shards from S3 (fresh process, median): {s[key]:.2f} s; with a filled cache: {s['first_batch_seconds_cached']:.2f} s")
     cold = report["ttfb"]["cold"][0]
-    print(f"requests before the first batch: {cold['requests']}; cached: {report['ttfb']['cached'][0]['requests']}")
+    print(f"requests of that process (the first batch, and the next group's reads started before it stopped): {cold['requests']}; "
+          f"cached: {report['ttfb']['cached'][0]['requests']}")
 
 
 if __name__ == "__main__":
