@@ -118,7 +118,7 @@ class ArrayReader:
         else:
             data = self._fetch(shard, offset, nbytes, into)
             got = nbytes if data is None else len(data)
-            if into is not None and data is not None:
+            if into is not None and data is not None and got == nbytes:  # a short body is damage, below
                 scatter(data, into)
                 data = None
         if got != nbytes:

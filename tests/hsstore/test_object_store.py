@@ -132,6 +132,28 @@ def test_more_reads_in_flight_by_default_on_object_storage(stores: tuple[str, st
         hsstore.StreamingLoader(local, FEATURES, **settings, prefetch_batches=0)
 
 
+def test_a_short_response_is_damage_named_by_file(stores: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ranged GET that returns fewer bytes than asked (a truncated object, a proxy cutting the
+    body) is a ShardCorruptError naming the file, which skip_corrupt can skip, not a bare error
+    from the copy into the batch."""
+    from hsstore.errors import ShardCorruptError
+    from hsstore.location import StoreLocation
+
+    _, url = stores
+    plain = StoreLocation.read_range
+
+    def short(self: StoreLocation, path: str, start: int, end: int) -> Any:
+        data = plain(self, path, start, end)
+        return data[:-1] if "aux_hidden_states" in path and end - start > 4096 else data
+
+    monkeypatch.setattr(StoreLocation, "read_range", short)
+    with pytest.raises(ShardCorruptError, match=r"aux_hidden_states/c/.*expected .*truncated"):
+        list(hsstore.StreamingLoader(url, FEATURES, **_settings()).batches(max_epochs=1))
+    skipping = hsstore.StreamingLoader(url, FEATURES, **_settings(), skip_corrupt=True)
+    list(skipping.batches(max_epochs=1))
+    assert skipping.num_skipped_samples > 0
+
+
 def test_storage_options_reach_the_endpoint_without_the_environment(
     tmp_path: Path, s3: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
