@@ -48,8 +48,8 @@ LOCAL_READ_THREADS = 4
 REMOTE_READ_THREADS = 16
 # Batches a loader reads ahead by default (StoreLocation.prefetch_batches). Reads land straight in
 # batch buffers, so the reads in flight are bounded by the batches being read: with 4 (two groups of
-# two), 16 read threads on object storage sat idle half the time; 8 read 1.26-1.31x what 4 read
-# there, 16 less than 8 (more fresh buffers to fault in); locally 4 keep the threads busy.
+# two), 16 read threads on object storage sat idle half the time; 8 read 1.26x what 4 read
+# there (16 cores), 16 less than 8 (more fresh buffers to fault in); locally 4 keep the threads busy.
 LOCAL_PREFETCH_BATCHES = 4
 REMOTE_PREFETCH_BATCHES = 8
 
