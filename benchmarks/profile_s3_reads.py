@@ -76,10 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     phases = PhaseTimes()
-    plain_read_range = StoreLocation.read_range
+    plain = (array_reader.scatter, array_reader.crc32c_bytes, StoreLocation.read_range)
     array_reader.scatter = phases.wrap("copy", array_reader.scatter)  # type: ignore[assignment]
     array_reader.crc32c_bytes = phases.wrap("crc32c", array_reader.crc32c_bytes)  # type: ignore[assignment]
-    StoreLocation.read_range = phases.wrap("get", plain_read_range)  # type: ignore[method-assign]
+    StoreLocation.read_range = phases.wrap("get", StoreLocation.read_range)  # type: ignore[method-assign]
 
     workdir = Path(tempfile.mkdtemp(prefix="profile-s3-reads-"))
     report: dict[str, Any] = {
@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                 series["local"].append(epoch)
                 print(f"{name} local:      {epoch['tokens_per_s']:>9,.0f} tokens/s, past the first batch {epoch['steady_tokens_per_s']:>9,.0f}", flush=True)
     finally:
+        array_reader.scatter, array_reader.crc32c_bytes, StoreLocation.read_range = plain  # type: ignore[method-assign]
         shutil.rmtree(workdir, ignore_errors=True)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

@@ -1,0 +1,37 @@
+"""benchmarks/profile_s3_reads.py on a tiny store: every phase is timed, S3 and local read the
+same tokens, and the wrapped functions are put back."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("moto")
+pytest.importorskip("obstore")
+
+
+def test_tiny_run_times_every_phase_and_restores_the_reader(tmp_path: Path) -> None:
+    import hsstore.format.array_reader as array_reader
+    from benchmarks import profile_s3_reads
+    from hsstore.location import StoreLocation
+
+    plain = (array_reader.scatter, array_reader.crc32c_bytes, StoreLocation.read_range)
+    out = tmp_path / "profile.json"
+    environ = dict(os.environ)
+    try:  # the benchmark exports its endpoint's AWS_* variables, as a script may
+        argv = ["--threads", "2", "--prefetch-batches", "2,4", "--tokens", "4096", "--hidden", "64", "--repeats", "1"]
+        assert profile_s3_reads.main([*argv, "--out", str(out)]) == 0
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+    report = json.loads(out.read_text())
+    assert set(report["runs"]) == {"threads_2_prefetch_2", "threads_2"}
+    for series in report["runs"].values():
+        (s3,), (local,) = series["s3_obstore"], series["local"]
+        assert s3["tokens"] == local["tokens"] > 0
+        assert set(s3["phases"]["calls"]) == {"get", "copy", "crc32c"}
+        assert s3["phases"]["calls"]["copy"] > 0 and s3["phases"]["seconds"]["get"] > 0
+    assert (array_reader.scatter, array_reader.crc32c_bytes, StoreLocation.read_range) == plain
