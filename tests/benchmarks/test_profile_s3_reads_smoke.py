@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("moto")
 pytest.importorskip("obstore")
+s3fs = pytest.importorskip("s3fs")
 
 
 def test_tiny_run_times_every_phase_and_restores_the_reader(tmp_path: Path) -> None:
@@ -27,6 +28,9 @@ def test_tiny_run_times_every_phase_and_restores_the_reader(tmp_path: Path) -> N
     finally:
         os.environ.clear()
         os.environ.update(environ)
+        # fsspec caches filesystems by their arguments, not by the AWS_* environment: drop the one
+        # bound to this run's (now stopped) endpoint before later tests build theirs.
+        s3fs.S3FileSystem.clear_instance_cache()
     report = json.loads(out.read_text())
     assert set(report["runs"]) == {"threads_2_prefetch_2", "threads_2"}
     for series in report["runs"].values():
