@@ -21,6 +21,7 @@ Usage: ``python benchmarks/bench_object_store.py [--quick] [--out results.json]`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -83,6 +85,21 @@ def write_store(
             index += 1
     store = hsstore.open_store(str(path))
     return {"num_samples": store.num_samples, "num_tokens": store.num_tokens, "num_shards": len(store.shards), "bytes": store.manifest.num_bytes}
+
+
+@contextlib.contextmanager
+def range_reader(name: str) -> Iterator[None]:
+    """``HSSTORE_RANGE_READER=name`` for the block (read when a StoreLocation is built, so open
+    the store inside it), then as it was before."""
+    before = os.environ.get(RANGE_READER_ENV)
+    os.environ[RANGE_READER_ENV] = name
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(RANGE_READER_ENV, None)
+        else:
+            os.environ[RANGE_READER_ENV] = before
 
 
 def upload(local: Path, url: str) -> None:
@@ -246,14 +263,11 @@ def main(argv: list[str] | None = None) -> int:
                 if repeat == 0:
                     report["endpoint_ceiling"] = replay(store.location.fs, recorder.ranges, args.read_threads)
                 if has_obstore:  # the same epoch, ranged reads through obstore (hsstore.range_reads)
-                    os.environ[RANGE_READER_ENV] = "obstore"
-                    try:
+                    with range_reader("obstore"):
                         runs["s3_obstore"].append({**read_epoch(url, settings), "requests": s3.requests(reset=True)})
                         if repeat == 0:
                             reader = ObstoreRangeReader(url, {})
                             report["endpoint_ceiling_obstore"] = replay(store.location.fs, recorder.ranges, args.read_threads, reader.read)
-                    finally:
-                        os.environ.pop(RANGE_READER_ENV, None)
                 cache_dir = workdir / f"cache-{repeat}"
                 shutil.rmtree(cache_dir, ignore_errors=True)
                 cache = ReadCache(cache_dir, 64 << 30)

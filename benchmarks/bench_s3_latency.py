@@ -32,9 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_object_store import read_epoch, upload, write_store  # noqa: E402
+from benchmarks.bench_object_store import range_reader, read_epoch, upload, write_store  # noqa: E402
 from benchmarks.moto_s3 import MotoS3  # noqa: E402
-from hsstore.range_reads import ENV_VAR as RANGE_READER_ENV  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,13 +76,10 @@ def main(argv: list[str] | None = None) -> int:
                 runs["local"].append(read_epoch(str(local), {**base, "read_threads": 4}))
                 for reader in readers:
                     for n in threads:
-                        os.environ[RANGE_READER_ENV] = reader
-                        try:
+                        with range_reader(reader):
                             s3.requests(reset=True)
                             run = read_epoch(url, {**base, "read_threads": n})
                             run["requests"] = s3.requests(reset=True)
-                        finally:
-                            os.environ.pop(RANGE_READER_ENV, None)
                         runs.setdefault(f"{reader}-{n}", []).append(run)
     finally:
         if args.workdir is None:

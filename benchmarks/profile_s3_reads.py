@@ -31,10 +31,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import hsstore.format.array_reader as array_reader  # noqa: E402
-from benchmarks.bench_object_store import read_epoch, upload, write_store  # noqa: E402
+from benchmarks.bench_object_store import range_reader, read_epoch, upload, write_store  # noqa: E402
 from benchmarks.moto_s3 import MotoS3  # noqa: E402
 from hsstore.location import StoreLocation  # noqa: E402
-from hsstore.range_reads import ENV_VAR as RANGE_READER_ENV  # noqa: E402
 
 
 class PhaseTimes:
@@ -98,16 +97,13 @@ def main(argv: list[str] | None = None) -> int:
                 settings = {"token_budget": 4096, "read_threads": threads, "prefetch_batches": prefetch, "shuffle_window": 1024, "seed": 0}
                 name = f"threads_{threads}" + (f"_prefetch_{prefetch}" if prefetch != 4 else "")
                 series = report["runs"].setdefault(name, {"s3_obstore": [], "local": []})
-                os.environ[RANGE_READER_ENV] = "obstore"
-                try:
+                with range_reader("obstore"):
                     for _ in range(args.repeats):
                         phases.take()
                         epoch = read_epoch("s3://bench/store", settings)
                         series["s3_obstore"].append({**epoch, "phases": phases.take()})
                         print(f"{name} s3 obstore: {epoch['tokens_per_s']:>9,.0f} tokens/s, past the first batch "
                               f"{epoch['steady_tokens_per_s']:>9,.0f}; thread seconds {series['s3_obstore'][-1]['phases']['seconds']}", flush=True)
-                finally:
-                    os.environ.pop(RANGE_READER_ENV, None)
                 epoch = read_epoch(str(workdir / "store"), settings)
                 series["local"].append(epoch)
                 print(f"{name} local:      {epoch['tokens_per_s']:>9,.0f} tokens/s, past the first batch {epoch['steady_tokens_per_s']:>9,.0f}", flush=True)
