@@ -9,8 +9,9 @@ Two measurements, one run:
    :class:`hsstore.loader.StreamingLoader` settings read one epoch of packed batches (stored bits,
    what the host hands a GPU) from each, interleaved and repeated; medians are reported. Also
    measured: the S3 epoch with a local :class:`hsstore.read_cache.ReadCache` (first epoch fills it,
-   the second reads from it), and the endpoint's own ceiling: the same ranged GETs the loader sent,
-   issued by bare ``s3fs.cat_file`` calls from as many threads, with no loader at all.
+   the second reads from it), the S3 epoch through s3fs instead of the default reader (obstore, where
+   installed), and the endpoint's own ceiling: the same ranged GETs the loader sent, issued by bare
+   ``s3fs.cat_file`` / obstore calls from as many threads, with no loader at all.
 2. **Time to the first batch** of a store of ``--ttfb-shards`` shards (small features), opened from
    S3 in a fresh process: from ``open_store`` to the first batch in hand (imports excluded), then
    again with the cache filled (a resumed run on the same node).
@@ -251,29 +252,34 @@ def main(argv: list[str] | None = None) -> int:
             ttfb_url = "s3://bench/ttfb-store"
             upload(ttfb_local, ttfb_url)
             s3.freeze()  # N read-only server processes from here on (nothing for one)
-            runs: dict[str, list[dict[str, Any]]] = {"local": [], "s3": [], "s3_obstore": [], "s3_cached_2nd_epoch": []}
+            # s3: the default reader (HSSTORE_RANGE_READER unset: obstore where installed, hsstore.range_reads);
+            # s3_fsspec: s3fs's cat_file, the reader before obstore became the default.
+            runs: dict[str, list[dict[str, Any]]] = {"local": [], "s3": [], "s3_fsspec": [], "s3_cached_2nd_epoch": []}
             requests: list[dict[str, int]] = []
             for repeat in range(args.repeats):
                 runs["local"].append(read_epoch(str(local), settings))
                 s3.requests(reset=True)
-                store = hsstore.open_store(url)
-                with RangeRecorder(store.location.fs) as recorder:
+                with range_reader("auto"):
+                    store = hsstore.open_store(url)
+                    report["s3_reader"] = store.location.range_reader
                     runs["s3"].append(read_epoch(store, settings))
                 requests.append(s3.requests(reset=True))
-                if repeat == 0:
+                with range_reader("fsspec"):
+                    store = hsstore.open_store(url)
+                    with RangeRecorder(store.location.fs) as recorder:
+                        runs["s3_fsspec"].append({**read_epoch(store, settings), "requests": s3.requests(reset=True)})
+                if repeat == 0:  # the endpoint's ceiling: the same ranged GETs, bare clients, no loader
                     report["endpoint_ceiling"] = replay(store.location.fs, recorder.ranges, args.read_threads)
-                if has_obstore:  # the same epoch, ranged reads through obstore (hsstore.range_reads)
-                    with range_reader("obstore"):
-                        runs["s3_obstore"].append({**read_epoch(url, settings), "requests": s3.requests(reset=True)})
-                        if repeat == 0:
-                            reader = ObstoreRangeReader(url, {})
-                            report["endpoint_ceiling_obstore"] = replay(store.location.fs, recorder.ranges, args.read_threads, reader.read)
+                    if has_obstore:
+                        reader = ObstoreRangeReader(url, {})
+                        report["endpoint_ceiling_obstore"] = replay(store.location.fs, recorder.ranges, args.read_threads, reader.read)
                 cache_dir = workdir / f"cache-{repeat}"
                 shutil.rmtree(cache_dir, ignore_errors=True)
                 cache = ReadCache(cache_dir, 64 << 30)
-                read_epoch(url, settings, cache)  # fills the cache
-                s3.requests(reset=True)
-                runs["s3_cached_2nd_epoch"].append({**read_epoch(url, settings, cache), "requests": s3.requests(reset=True)})
+                with range_reader("auto"):
+                    read_epoch(url, settings, cache)  # fills the cache
+                    s3.requests(reset=True)
+                    runs["s3_cached_2nd_epoch"].append({**read_epoch(url, settings, cache), "requests": s3.requests(reset=True)})
                 shutil.rmtree(cache_dir, ignore_errors=True)
             report["runs"] = runs
             report["s3_requests"] = requests
@@ -281,8 +287,9 @@ def main(argv: list[str] | None = None) -> int:
             report["summary"] = {
                 "local_tokens_per_s": round(median(runs["local"], "tokens_per_s")),
                 "s3_tokens_per_s": round(median(runs["s3"], "tokens_per_s")),
+                "s3_reader": report["s3_reader"],
+                "s3_fsspec_tokens_per_s": round(median(runs["s3_fsspec"], "tokens_per_s")),
                 "s3_cached_2nd_epoch_tokens_per_s": round(median(runs["s3_cached_2nd_epoch"], "tokens_per_s")),
-                "s3_obstore_tokens_per_s": round(median(runs["s3_obstore"], "tokens_per_s")) if runs["s3_obstore"] else None,
                 # Past each epoch's first batch (the time to it is measured on its own below).
                 "steady_tokens_per_s": {name: round(median(r, "steady_tokens_per_s")) for name, r in runs.items() if r},
                 "s3_requests_per_epoch": int(statistics.median(sum(v for k, v in r.items() if k in ("GET", "HEAD", "PUT", "POST")) for r in requests)),
@@ -319,9 +326,8 @@ def print_tables(report: dict[str, Any]) -> None:
     print("\n| read path | tokens/s | vs local | requests/epoch | GET bytes/epoch |")
     print("|---|---:|---:|---:|---:|")
     print(f"| local filesystem (warm page cache) | {s['local_tokens_per_s']:,} | 1.00x | - | - |")
-    print(f"| moto S3 on loopback | {s['s3_tokens_per_s']:,} | {s['s3_tokens_per_s'] / s['local_tokens_per_s']:.2f}x | {s['s3_requests_per_epoch']:,} | {s['s3_get_bytes_per_epoch']:,} ({s['s3_get_bytes_per_epoch'] / store['bytes']:.2f}x the store) |")
-    if s.get("s3_obstore_tokens_per_s"):
-        print(f"| moto S3, HSSTORE_RANGE_READER=obstore | {s['s3_obstore_tokens_per_s']:,} | {s['s3_obstore_tokens_per_s'] / s['local_tokens_per_s']:.2f}x | - | - |")
+    print(f"| moto S3 on loopback, the default reader ({s['s3_reader']}) | {s['s3_tokens_per_s']:,} | {s['s3_tokens_per_s'] / s['local_tokens_per_s']:.2f}x | {s['s3_requests_per_epoch']:,} | {s['s3_get_bytes_per_epoch']:,} ({s['s3_get_bytes_per_epoch'] / store['bytes']:.2f}x the store) |")
+    print(f"| moto S3, HSSTORE_RANGE_READER=fsspec (s3fs) | {s['s3_fsspec_tokens_per_s']:,} | {s['s3_fsspec_tokens_per_s'] / s['local_tokens_per_s']:.2f}x | - | - |")
     print(f"| moto S3, 2nd epoch from a local ReadCache | {s['s3_cached_2nd_epoch_tokens_per_s']:,} | {s['s3_cached_2nd_epoch_tokens_per_s'] / s['local_tokens_per_s']:.2f}x | {s['s3_cached_2nd_epoch_requests']:,} | - |")
     ceiling_tps = ceiling["mb_per_s"] * 1e6 / (s["s3_get_bytes_per_epoch"] / max(1, store["num_tokens"]))
     print(f"| endpoint ceiling: the same ranged GETs, bare s3fs | {ceiling_tps:,.0f} (equiv.) | {ceiling_tps / s['local_tokens_per_s']:.2f}x | {ceiling['requests']:,} | {ceiling['mb_per_s']:,.0f} MB/s |")

@@ -265,6 +265,12 @@ class MotoS3:
                 os.killpg(self.process.pid, signal.SIGTERM)  # the server and any forked copies
             self.process.wait(timeout=10)
             self.process = None
+        # fsspec caches filesystems by their arguments, not by the AWS_* environment that pointed them
+        # here: drop them, or the next server's users (a later test) get one bound to this dead port.
+        with contextlib.suppress(ImportError):
+            import s3fs
+
+            s3fs.S3FileSystem.clear_instance_cache()
 
     def freeze(self) -> MotoS3:
         """Fork the server into ``processes`` read-only processes (a no-op for one): call it once

@@ -34,8 +34,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from hsstore.errors import CommitConflictError, StoreWriteError
-from hsstore.range_reads import ENV_VAR as RANGE_READER_ENV
-from hsstore.range_reads import ObstoreRangeReader, configured_reader
+from hsstore.range_reads import remote_range_reader
 
 HASH_BLOCK = 8 << 20
 # Reads in flight a loader keeps by default (StoreLocation.read_threads). 4 keep a local disk busy; an
@@ -74,12 +73,9 @@ class StoreLocation:
             self.commit_guard = "process"
         else:
             self.commit_guard = "unguarded"
-        # Ranged reads of shard files: fsspec's cat_file, or obstore when asked (hsstore.range_reads).
-        self._range_reader: Any = None
-        if not self.is_local and configured_reader() == "obstore":
-            if not protocols & {"s3", "s3a"}:
-                raise ValueError(f"{url}: {RANGE_READER_ENV}=obstore reads s3:// stores only")
-            self._range_reader = ObstoreRangeReader(url, self.storage_options)
+        # Ranged reads of shard files: obstore on S3 where it can (hsstore.range_reads), else fsspec's cat_file.
+        self._range_reader = None if self.is_local else remote_range_reader(url, self.storage_options, protocols, fs)
+        self.range_reader = "obstore" if self._range_reader is not None else "fsspec"
 
     def __repr__(self) -> str:
         return f"StoreLocation({self.url!r})"

@@ -1,49 +1,97 @@
-"""Ranged reads of object-store files through obstore, an opt-in alternative to fsspec's.
+"""Ranged reads of S3 shard files through obstore: the loader's default reader on ``s3://``.
 
 Why: s3fs moves every response body through one asyncio event loop in Python (aiohttp's protocol
 callbacks, a ``b"".join`` of the chunks), so one process reads S3 at what one core can parse: on the
-project's 2-core VM, 712 MB/s from moto with the loop's thread at 100%. obstore (Rust, the
-``object_store`` crate) does the HTTP work outside the GIL and hands back one buffer: the same ranged
-GETs from 4 threads moved 1,423 MB/s against s3fs's 917, at less than half the client CPU
-(benchmarks/RESULTS.md, issue 16).
+GPU machine's 16 cores, 0.07x of a local page-cached read against moto, where obstore (Rust, the
+``object_store`` crate, the HTTP work outside the GIL, one buffer handed back) reads 0.29x with the
+same loader settings (benchmarks/RESULTS.md, issue 16).
 
-Opt-in with ``HSSTORE_RANGE_READER=obstore`` (read when a :class:`~hsstore.location.StoreLocation`
-is built, so Ray workers and DataLoader processes need it in their environment too). Only the
-loader's ranged reads of shard files take this path; metadata, manifests and every write stay on
-fsspec (and its conditional PUTs). Credentials and endpoint come from the same places s3fs takes
-them: the location's ``storage_options`` (``key``, ``secret``, ``token``, ``endpoint_url``,
-``client_kwargs: {endpoint_url, region_name}``) or the standard AWS environment
-(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...). An option this mapping does not know is an
-error, not silently dropped: a dropped endpoint would read another bucket of the same name.
-Credentials only in ``~/.aws`` profiles are not read by obstore: export them, or stay on fsspec.
+Which reader (``HSSTORE_RANGE_READER``, read when a :class:`~hsstore.location.StoreLocation` is
+built, so Ray workers and DataLoader processes take it from their own environment):
+
+- ``auto`` (unset): obstore for ``s3://`` stores when it is installed (``hsstore[s3]``) and every
+  storage option maps onto it; fsspec otherwise (``gs://``, other protocols, an option it lacks);
+- ``obstore``: obstore or an error saying why not (another protocol, an option it cannot map);
+- ``fsspec``: fsspec's ``cat_file`` everywhere.
+
+Only the loader's ranged reads of shard files take this path; metadata, manifests and every write
+stay on fsspec (and its conditional PUTs). What obstore is given, so that it reads what s3fs would:
+
+- endpoint, keys, ``anon``: the location's ``storage_options`` (``key``, ``secret``, ``token``,
+  ``endpoint_url``, ``anon``, ``profile``, ``client_kwargs: {endpoint_url, region_name}``) or the
+  standard AWS environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...). Keys found nowhere
+  there come from botocore's credential chain (``~/.aws`` profiles, SSO, assumed roles, instance
+  and container roles), refreshed as botocore refreshes them.
+- region: ``client_kwargs.region_name`` if given, else the bucket's own, asked once per bucket
+  (HEAD bucket, the ``x-amz-bucket-region`` header, as s3fs's region cache does), else the
+  environment's or profile's. botocore follows a wrong region's redirect; object_store does not.
+- errors: a missing file is ``FileNotFoundError``, a refused one ``PermissionError``, any other
+  failure ``OSError``, each naming the path (what the loader's ``skip_corrupt`` counts).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
 import threading
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
+logger = logging.getLogger(__name__)
+
 ENV_VAR = "HSSTORE_RANGE_READER"
-READERS = ("fsspec", "obstore")
+READERS = ("auto", "fsspec", "obstore")
+S3_PROTOCOLS = frozenset({"s3", "s3a"})
 # s3fs storage options this module maps onto obstore's S3 config; anything else is refused.
-_S3_OPTIONS = {"key", "secret", "token", "endpoint_url", "client_kwargs", "anon"}
+_S3_OPTIONS = {"key", "secret", "token", "endpoint_url", "client_kwargs", "anon", "profile"}
+_CLIENT_KWARGS = {"endpoint_url", "region_name"}
+# How long obstore keeps credentials from botocore before asking again: botocore itself refreshes
+# temporary credentials well before they expire (15 minutes ahead), so asking every 5 is enough.
+CREDENTIALS_TTL = timedelta(minutes=5)
 
 
 def configured_reader() -> str:
-    """The reader the environment asks for (``fsspec`` when unset)."""
-    reader = os.environ.get(ENV_VAR, "fsspec").strip().lower() or "fsspec"
+    """The reader the environment asks for (``auto`` when unset)."""
+    reader = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
     if reader not in READERS:
         raise ValueError(f"{ENV_VAR}={reader!r}: expected one of {', '.join(READERS)}")
     return reader
 
 
+def remote_range_reader(url: str, storage_options: dict[str, Any], protocols: set[str], fs: Any) -> ObstoreRangeReader | None:
+    """The reader for a store at ``url`` (not a local one): obstore's, or None for fsspec's."""
+    reader = configured_reader()
+    if reader == "fsspec":
+        return None
+    on_s3 = bool(protocols & S3_PROTOCOLS)
+    if reader == "obstore":
+        if not on_s3:
+            raise ValueError(f"{url}: {ENV_VAR}=obstore reads s3:// stores only")
+        return ObstoreRangeReader(url, storage_options, fs)
+    if not on_s3 or importlib.util.find_spec("obstore") is None or _unmapped(storage_options):
+        return None
+    return ObstoreRangeReader(url, storage_options, fs)
+
+
 class ObstoreRangeReader:
     """``read(path, start, end)`` for ``bucket/key`` paths of one S3 location, one store per bucket.
-    The caller checks that the location is on S3 (StoreLocation does, from fsspec's protocol)."""
 
-    def __init__(self, url: str, storage_options: dict[str, Any]):
-        self.config = _s3_config(url, storage_options)
+    ``fs``: the location's s3fs filesystem, used once per bucket to ask for its region (None: no
+    asking, the configured region or obstore's default).
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any], fs: Any = None):
+        unmapped = _unmapped(storage_options)
+        if unmapped:
+            raise ValueError(
+                f"{url}: {ENV_VAR}=obstore cannot map the storage option(s) {unmapped}; "
+                f"set {ENV_VAR}=fsspec to read through fsspec"
+            )
+        self.url = url
+        self.storage_options = dict(storage_options)
+        self.fs = fs
+        self.config = _s3_config(storage_options)
         self._stores: dict[str, Any] = {}
         self._lock = threading.Lock()
 
@@ -51,31 +99,62 @@ class ObstoreRangeReader:
         with self._lock:
             store = self._stores.get(bucket)
             if store is None:
-                from obstore.store import S3Store
-
-                config: Any = dict(self.config)
-                client_options: Any = {"allow_http": True} if str(config.get("endpoint", "")).startswith("http://") else {}
-                store = S3Store(bucket, config=config, client_options=client_options)
-                self._stores[bucket] = store
+                store = self._stores[bucket] = self._open(bucket)
             return store
+
+    def _open(self, bucket: str) -> Any:
+        from obstore.store import S3Store
+
+        config: Any = dict(self.config)
+        provider: Any = None
+        if "access_key_id" not in config and not config.get("skip_signature"):
+            provider, profile_region = _botocore_credentials(self.storage_options.get("profile"))
+            if profile_region:
+                config.setdefault("region", profile_region)
+        if not self.config.get("region"):  # not given explicitly: the bucket's own, where it says
+            found = _bucket_region(self.fs, bucket)
+            if found:
+                config["region"] = found
+        client_options: Any = {"allow_http": True} if str(config.get("endpoint", "")).startswith("http://") else {}
+        logger.debug("obstore reads s3://%s (region %s)", bucket, config.get("region", "default"))
+        return S3Store(bucket, config=config, client_options=client_options, credential_provider=provider)
 
     def read(self, path: str, start: int, end: int) -> memoryview:
         import obstore
+        from obstore.exceptions import (
+            BaseError,
+            NotFoundError,
+            PermissionDeniedError,
+            UnauthenticatedError,
+        )
 
         bucket, _, key = path.partition("/")
-        return memoryview(obstore.get_range(self._store(bucket), key, start=start, end=end))
+        try:
+            return memoryview(obstore.get_range(self._store(bucket), key, start=start, end=end))
+        except (FileNotFoundError, NotFoundError) as err:  # obstore raises the builtin for a 404
+            raise FileNotFoundError(f"s3://{path}: not found ({_first_line(err)})") from err
+        except (PermissionError, PermissionDeniedError, UnauthenticatedError) as err:
+            raise PermissionError(f"s3://{path}: access refused ({_first_line(err)})") from err
+        except BaseError as err:
+            raise OSError(f"s3://{path}: bytes {start}-{end} not read: {_first_line(err)}") from err
 
 
-def _s3_config(url: str, storage_options: dict[str, Any]) -> dict[str, Any]:
+def _first_line(err: BaseException) -> str:
+    """obstore's message without the debug dump it appends (the response body, the retry state)."""
+    return str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+
+
+def _unmapped(storage_options: dict[str, Any]) -> list[str]:
+    """The storage options obstore would not be given (sorted, ``client_kwargs.x`` for nested ones)."""
     unknown = set(storage_options) - _S3_OPTIONS
-    client_kwargs = dict(storage_options.get("client_kwargs") or {})
-    unknown |= {f"client_kwargs.{k}" for k in set(client_kwargs) - {"endpoint_url", "region_name"}}
-    if unknown:
-        raise ValueError(
-            f"{url}: {ENV_VAR}=obstore cannot map the storage option(s) {sorted(unknown)}; "
-            f"unset {ENV_VAR} to read through fsspec"
-        )
+    unknown |= {f"client_kwargs.{k}" for k in set(storage_options.get("client_kwargs") or {}) - _CLIENT_KWARGS}
+    return sorted(unknown)
+
+
+def _s3_config(storage_options: dict[str, Any]) -> dict[str, Any]:
+    """obstore's S3 config from the options and the environment (a region only when given explicitly)."""
     env = os.environ
+    client_kwargs = dict(storage_options.get("client_kwargs") or {})
     config: dict[str, Any] = {}
     endpoint = (
         storage_options.get("endpoint_url")
@@ -85,9 +164,8 @@ def _s3_config(url: str, storage_options: dict[str, Any]) -> dict[str, Any]:
     )
     if endpoint:
         config["endpoint"] = endpoint
-    region = client_kwargs.get("region_name") or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
-    if region:
-        config["region"] = region
+    if client_kwargs.get("region_name"):
+        config["region"] = client_kwargs["region_name"]
     if storage_options.get("anon"):
         config["skip_signature"] = True
     for option, name, variable in (
@@ -95,7 +173,54 @@ def _s3_config(url: str, storage_options: dict[str, Any]) -> dict[str, Any]:
         ("secret", "secret_access_key", "AWS_SECRET_ACCESS_KEY"),
         ("token", "session_token", "AWS_SESSION_TOKEN"),
     ):
-        value = storage_options.get(option) or env.get(variable)
+        # A profile named in the options means its keys, not the environment's.
+        value = storage_options.get(option) or (None if storage_options.get("profile") else env.get(variable))
         if value:
             config[name] = value
     return config
+
+
+class _BotocoreCredentials:
+    """obstore's credential callback over botocore's credentials (static or refreshing)."""
+
+    def __init__(self, credentials: Any):
+        self.credentials = credentials
+
+    def __call__(self) -> dict[str, Any]:
+        frozen = self.credentials.get_frozen_credentials()  # refreshes temporary ones when due
+        return {
+            "access_key_id": frozen.access_key,
+            "secret_access_key": frozen.secret_key,
+            "token": frozen.token,
+            "expires_at": datetime.now(UTC) + CREDENTIALS_TTL,
+        }
+
+
+def _botocore_credentials(profile: str | None) -> tuple[_BotocoreCredentials | None, str | None]:
+    """botocore's credential chain (and the profile's region), as s3fs would resolve them; (None,
+    None) where botocore finds no keys: obstore then tries its own chain (instance metadata)."""
+    import botocore.session
+
+    session = botocore.session.Session(profile=profile)
+    credentials = session.get_credentials()
+    region = session.get_config_variable("region")
+    return (_BotocoreCredentials(credentials) if credentials is not None else None), region
+
+
+def _bucket_region(fs: Any, bucket: str) -> str | None:
+    """The region the bucket says it is in (HEAD bucket through the location's s3fs client; a 403
+    still carries the header), or None where it cannot be asked or does not say."""
+    if fs is None or not hasattr(fs, "call_s3"):
+        return None
+    try:
+        response = fs.call_s3("head_bucket", Bucket=bucket)
+    except Exception as err:  # any failure: look for the header on the error, else go without
+        response = {}
+        cause: BaseException | None = err
+        while cause is not None and not response:
+            response = getattr(cause, "response", None) or {}
+            cause = cause.__cause__ or cause.__context__
+        if not response:
+            logger.debug("no region for s3://%s from HEAD bucket: %s", bucket, err)
+    headers = (response.get("ResponseMetadata") or {}).get("HTTPHeaders") or {}
+    return response.get("BucketRegion") or headers.get("x-amz-bucket-region")

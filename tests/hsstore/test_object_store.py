@@ -97,10 +97,17 @@ def _assert_same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
                 np.testing.assert_array_equal(x[key], y[key])
 
 
-def test_s3_batches_equal_local_ones_with_the_endpoint_from_the_environment(stores: tuple[str, str]) -> None:
+@pytest.mark.parametrize("reader", ["auto", "fsspec"])
+def test_s3_batches_equal_local_ones_with_the_endpoint_from_the_environment(
+    stores: tuple[str, str], monkeypatch: pytest.MonkeyPatch, reader: str
+) -> None:
     local, url = stores
+    monkeypatch.setenv("HSSTORE_RANGE_READER", reader)
     expected = [_snapshot(b) for b in hsstore.StreamingLoader(local, FEATURES, **_settings()).batches(max_epochs=2)]
-    got = [_snapshot(b) for b in hsstore.StreamingLoader(url, FEATURES, **_settings()).batches(max_epochs=2)]
+    loader = hsstore.StreamingLoader(url, FEATURES, **_settings())
+    if reader == "fsspec":
+        assert loader.store.location.range_reader == "fsspec"
+    got = [_snapshot(b) for b in loader.batches(max_epochs=2)]
     _assert_same(expected, got)
 
 
@@ -227,7 +234,9 @@ def test_a_resumed_run_requests_only_what_its_remaining_batches_need(stores: tup
     # ranged GET per sample and array: nothing for the batches before the resume point.
     expected = 1 + len(shards) * (1 + 2 * ARRAYS) + len(samples) * ARRAYS
     assert counts.get("GET") == expected, (counts, expected)
-    assert counts.get("HEAD", 0) <= 1  # s3fs sizes the manifest before its GET; nothing else
+    # s3fs sizes the manifest before its GET; obstore (the default reader) asks the bucket's region
+    # once; nothing else.
+    assert counts.get("HEAD", 0) <= 1 + (resumed.store.location.range_reader == "obstore")
 
 
 def test_a_read_cache_serves_the_second_epoch_without_feature_requests(stores: tuple[str, str], tmp_path: Path) -> None:
@@ -311,7 +320,7 @@ def test_read_cache_reads_a_hit_straight_into_buffers_and_checks_it(tmp_path: Pa
         assert cache.get(key) is None
 
 
-# -- HSSTORE_RANGE_READER=obstore: the loader's ranged reads through obstore (hsstore.range_reads) --
+# -- The range reader (hsstore.range_reads): obstore by default on s3://, fsspec where it cannot be --
 
 
 @pytest.mark.parametrize("endpoint_from", ["environment", "storage_options"])
@@ -339,10 +348,19 @@ def test_obstore_reader_gives_the_same_batches_as_local(
     assert s3.requests(reset=True).get("GET_ranged", 0) > 0  # obstore's GETs reached the endpoint
 
 
-def test_obstore_reader_refuses_options_it_cannot_map(aws_env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_default_reader_is_obstore_on_s3_where_every_option_maps(aws_env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("obstore")
     from hsstore.location import StoreLocation
 
+    monkeypatch.delenv("HSSTORE_RANGE_READER", raising=False)
+    assert StoreLocation("s3://some-bucket/store").range_reader == "obstore"
+    assert StoreLocation("s3://some-bucket/store", {"anon": True}).range_reader == "obstore"
+    # An option obstore cannot take: the default falls back to fsspec, which takes every option...
+    assert StoreLocation("s3://some-bucket/store", {"requester_pays": True}).range_reader == "fsspec"
+    assert StoreLocation("memory://store").range_reader == "fsspec"  # ...as on other protocols
+    monkeypatch.setenv("HSSTORE_RANGE_READER", "fsspec")
+    assert StoreLocation("s3://some-bucket/store").range_reader == "fsspec"
+    # Asked for by name, obstore is obstore or an error naming what it cannot map.
     monkeypatch.setenv("HSSTORE_RANGE_READER", "obstore")
     with pytest.raises(ValueError, match="requester_pays"):
         StoreLocation("s3://some-bucket/store", {"requester_pays": True})
@@ -361,3 +379,74 @@ def test_an_unknown_range_reader_is_refused(tmp_path: Path, monkeypatch: pytest.
     assert StoreLocation(str(tmp_path))._range_reader is None
     with pytest.raises(ValueError, match="reads s3:// stores only"):
         StoreLocation("memory://store")
+
+
+def test_keys_only_in_a_profile_reach_obstore_through_botocore(
+    stores: tuple[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Keys in ~/.aws (a named profile here), none in the environment: s3fs finds them through
+    botocore and so does the obstore reader, which obstore alone would not."""
+    pytest.importorskip("obstore")
+    local, url = stores
+    credentials = tmp_path / "credentials"
+    key, secret = os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"]
+    credentials.write_text(f"[hsstore-test]\naws_access_key_id = {key}\naws_secret_access_key = {secret}\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.delenv("HSSTORE_RANGE_READER", raising=False)
+    expected = [_snapshot(b) for b in hsstore.StreamingLoader(local, FEATURES, **_settings()).batches(max_epochs=1)]
+    for options, profile_variable in (({"profile": "hsstore-test"}, None), ({}, "hsstore-test")):
+        if profile_variable:
+            monkeypatch.setenv("AWS_PROFILE", profile_variable)
+        loader = hsstore.StreamingLoader(url, FEATURES, storage_options=options, **_settings())
+        assert loader.store.location.range_reader == "obstore"
+        _assert_same(expected, [_snapshot(b) for b in loader.batches(max_epochs=1)])
+        store = loader.store.location._range_reader._store(url.split("/")[2])
+        assert store.credential_provider is not None  # the keys came from botocore's chain
+
+
+def test_obstore_asks_the_bucket_for_its_region(aws_env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """object_store does not follow S3's wrong-region redirect (botocore does): the reader asks the
+    bucket where it is, once, over any region the environment names; an explicit one wins."""
+    pytest.importorskip("obstore")
+    import s3fs
+
+    from hsstore.location import StoreLocation
+
+    bucket = f"hsstore-eu-{uuid.uuid4().hex[:8]}"
+    s3fs.S3FileSystem().call_s3("create_bucket", Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": "eu-west-1"})
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.delenv("HSSTORE_RANGE_READER", raising=False)
+    asked = StoreLocation(f"s3://{bucket}/store")._range_reader._store(bucket)
+    assert asked.config["region"] == "eu-west-1"
+    given = StoreLocation(f"s3://{bucket}/store", {"client_kwargs": {"region_name": "ap-south-1"}})
+    assert given._range_reader._store(bucket).config["region"] == "ap-south-1"
+
+
+def test_a_missing_object_through_obstore_is_file_not_found_and_skippable(
+    stores: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """obstore's own exceptions are not OSErrors: the reader turns them into the ones fsspec raises,
+    naming the file, so the loader's skip_corrupt treats both readers alike."""
+    pytest.importorskip("obstore")
+    import s3fs
+
+    from hsstore.errors import ShardCorruptError
+
+    monkeypatch.delenv("HSSTORE_RANGE_READER", raising=False)
+    _, url = stores
+    location = hsstore.open_store(url).location
+    assert location.range_reader == "obstore"
+    missing = location.path("shards/no-such-file")
+    with pytest.raises(FileNotFoundError, match=f"s3://{missing}"):
+        location.read_range(missing, 0, 10)
+    fs = s3fs.S3FileSystem()
+    chunks = sorted(path for path in fs.find(url) if "/final_hidden_state/c/" in path)
+    assert chunks
+    fs.rm(chunks[0])
+    with pytest.raises(ShardCorruptError, match="not found"):
+        list(hsstore.StreamingLoader(url, FEATURES, **_settings()).batches(max_epochs=1))
+    skipping = hsstore.StreamingLoader(url, FEATURES, **_settings(), skip_corrupt=True)
+    assert sum(b.num_real_tokens for b in skipping.batches(max_epochs=1)) > 0
+    assert skipping.num_skipped_samples > 0
