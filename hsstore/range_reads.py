@@ -2,9 +2,9 @@
 
 Why: s3fs moves every response body through one asyncio event loop in Python (aiohttp's protocol
 callbacks, a ``b"".join`` of the chunks), so one process reads S3 at what one core can parse: on the
-GPU machine's 16 cores, 0.07x of a local page-cached read against moto, where obstore (Rust, the
-``object_store`` crate, the HTTP work outside the GIL, one buffer handed back) reads 0.29x with the
-same loader settings (benchmarks/RESULTS.md, issue 16).
+GPU machine's 16 cores, 0.09x of a local page-cached read against moto, where obstore (Rust, the
+``object_store`` crate, the HTTP work outside the GIL, one buffer handed back) reads 0.31x with the
+same loader settings, in the same run (benchmarks/RESULTS.md, issue 16).
 
 Which reader (``HSSTORE_RANGE_READER``, read when a :class:`~hsstore.location.StoreLocation` is
 built, so Ray workers and DataLoader processes take it from their own environment):
