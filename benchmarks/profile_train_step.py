@@ -9,7 +9,11 @@ clipping + AdamW: what ``hsstore train`` runs per step after the batch is on the
     python benchmarks/profile_train_step.py --shape qwen3-8b --profile $OUT/trace   # torch.profiler table
 
 Prints one line per variant (tokens/s, step ms, peak GiB, model TFLOP/s and MFU against the
-measured bf16 matmul rate) and, with ``--profile``, the top CUDA kernels of the first variant.
+measured bf16 matmul rate) and, with ``--profile``, the top CUDA kernels of the first variant and
+where its GPU idles: the union of kernel intervals against the span of 3 profiled steps, the idle
+time by gap size, the host calls that wait on the GPU, and the longest gaps with their neighbours
+(a step whose idle is spread over thousands of ~20 us gaps is launch-bound; a few long gaps after
+``cudaStreamSynchronize`` are syncs).
 """
 
 from __future__ import annotations
@@ -149,7 +153,45 @@ def run_variant(args: argparse.Namespace, attention: str, compiled: bool, device
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
         (profile_dir / f"profile-{attention}.txt").write_text(table)
         print(table[:6000])
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize(device)
+        trace = profile_dir / f"trace-{attention}.json"
+        prof.export_chrome_trace(str(trace))
+        result["gpu_idle"] = gpu_idle(json.loads(trace.read_text())["traceEvents"], steps=3)
+        trace.unlink()  # hundreds of MB; the summary is what is kept
+        print(json.dumps(result["gpu_idle"], indent=1))
     return result
+
+
+def gpu_idle(events: list[dict[str, Any]], steps: int, top: int = 12) -> dict[str, Any]:
+    """Where the GPU waits, from a chrome trace of ``steps`` steps: busy = the union of kernel,
+    memcpy and memset intervals; every gap between them is idle, binned by length."""
+    work = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
+                  key=lambda e: e["ts"])
+    gaps: list[tuple[float, str, str]] = []
+    busy, reach, last = 0.0, work[0]["ts"], work[0]
+    for e in work:
+        end = e["ts"] + e["dur"]
+        if e["ts"] > reach:
+            gaps.append((e["ts"] - reach, last["name"][:70], e["name"][:70]))
+        if end > reach:
+            busy += end - max(e["ts"], reach)
+            reach, last = end, e
+    span = reach - work[0]["ts"]
+    bins = {"<10us": 0.0, "10-100us": 0.0, "0.1-1ms": 0.0, ">=1ms": 0.0}
+    for length, _, _ in gaps:
+        bins["<10us" if length < 10 else "10-100us" if length < 100 else "0.1-1ms" if length < 1000 else ">=1ms"] += length
+    waits = [e["name"] for e in events if e.get("cat") == "cuda_runtime"
+             and e["name"] in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")]
+    return {
+        "steps": steps, "span_ms_per_step": round(span / 1e3 / steps, 1), "busy_ms_per_step": round(busy / 1e3 / steps, 1),
+        "idle_fraction": round(1 - busy / span, 3), "kernels_per_step": len(work) // steps,
+        "gaps_per_step": len(gaps) // steps, "idle_ms_per_step_by_gap": {k: round(v / 1e3 / steps, 1) for k, v in bins.items()},
+        "host_syncs_per_step": len(waits) / steps,
+        "longest_gaps": [{"ms": round(g / 1e3, 3), "after": a, "before": b} for g, a, b in sorted(gaps, reverse=True)[:top]],
+    }
 
 
 def main() -> int:
