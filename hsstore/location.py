@@ -75,7 +75,8 @@ class StoreLocation:
             self.commit_guard = "unguarded"
         # Ranged reads of shard files: obstore on S3 where it can (hsstore.range_reads), else fsspec's cat_file.
         self._range_reader = None if self.is_local else remote_range_reader(url, self.storage_options, protocols, fs)
-        self.range_reader = "obstore" if self._range_reader is not None else "fsspec"
+        # What reads shard bytes (for logs and tests): "local" (preadv), "obstore" or "fsspec".
+        self.range_reader = "local" if self.is_local else "obstore" if self._range_reader is not None else "fsspec"
 
     def __repr__(self) -> str:
         return f"StoreLocation({self.url!r})"

@@ -284,6 +284,10 @@ def _run(recipe: TrainRecipe, dist_state: Distributed, device: torch.device, sto
     # Only the chosen aux layers are read (a store written with layer_arrays reads only their bytes).
     loader_kwargs["layers"] = {AUX: select_aux_layers(store.lineage.aux_layer_ids, recipe.aux_layer_ids)}
     loader = StreamingLoader(store, features, **loader_kwargs)
+    logger.info(
+        "reading %s (%d samples) through %s: %d reads in flight, %d batches ahead", store.url,
+        loader.num_samples, store.location.range_reader, loader.read_threads, loader.prefetch_batches,
+    )
     accum = recipe.grad_accum_steps
     total_steps = recipe.max_steps or sum(loader.num_batches(e) for e in range(recipe.schedule.epochs)) // accum
     step = 0

@@ -377,6 +377,7 @@ def test_an_unknown_range_reader_is_refused(tmp_path: Path, monkeypatch: pytest.
     # A local store never takes the remote path, whatever the variable says.
     monkeypatch.setenv("HSSTORE_RANGE_READER", "obstore")
     assert StoreLocation(str(tmp_path))._range_reader is None
+    assert StoreLocation(str(tmp_path)).range_reader == "local"
     with pytest.raises(ValueError, match="reads s3:// stores only"):
         StoreLocation("memory://store")
 

@@ -5,6 +5,7 @@ train`` reads the store from S3."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -83,3 +84,6 @@ def test_two_share_nothing_writers_fill_one_s3_store_then_train_reads_it(s3_stor
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "draft" / "metrics.jsonl").exists()
+    # The shard bytes came through the default reader: obstore where it is installed (hsstore[s3]).
+    reader = "obstore" if importlib.util.find_spec("obstore") else "fsspec"
+    assert f"reading {url} (" in done.stderr and f"through {reader}:" in done.stderr, done.stderr[-3000:]
