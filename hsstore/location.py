@@ -214,8 +214,15 @@ class StoreLocation:
         return sorted(out)
 
     def sha256(self, relative: str) -> tuple[int, str]:
-        """(size, sha256 hex) of a file, streamed in large blocks."""
+        """(size, sha256 hex) of a file, streamed in large blocks (ranged GETs through the range
+        reader where there is one: s3fs's one event loop read 0.3 GB/s on 2 cores)."""
         digest = hashlib.sha256()
+        if self._range_reader is not None:
+            path = self.path(relative)
+            size = int(self.fs.size(path))
+            for start in range(0, size, HASH_BLOCK):
+                digest.update(self._range_reader.read(path, start, min(size, start + HASH_BLOCK)))
+            return size, digest.hexdigest()
         size = 0
         with self.fs.open(self.path(relative), "rb", block_size=HASH_BLOCK) as handle:
             while True:

@@ -23,6 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     verify.add_argument("store")
     verify.add_argument("--no-checksums", action="store_true", help="sizes and structure only (fast)")
     verify.add_argument("--strict", action="store_true", help="unreferenced files also fail")
+    verify.add_argument("--threads", type=int, default=None,
+                        help="shards checked at once (default: the cores locally, 16 on object storage)")
     verify.set_defaults(func=_verify)
 
     gc = subparsers.add_parser("gc", help="delete shard folders no manifest names (crashed writers)")
@@ -45,7 +47,7 @@ def _verify(args: argparse.Namespace) -> int:
     from hsstore.location import StoreLocation
     from hsstore.verify import verify_store
 
-    problems = verify_store(StoreLocation(args.store), checksums=not args.no_checksums)
+    problems = verify_store(StoreLocation(args.store), checksums=not args.no_checksums, threads=args.threads)
     for problem in problems:
         print(problem)
     failing = [p for p in problems if p.fatal or args.strict]

@@ -451,3 +451,27 @@ def test_a_missing_object_through_obstore_is_file_not_found_and_skippable(
     skipping = hsstore.StreamingLoader(url, FEATURES, **_settings(), skip_corrupt=True)
     assert sum(b.num_real_tokens for b in skipping.batches(max_epochs=1)) > 0
     assert skipping.num_skipped_samples > 0
+
+
+def test_verify_through_obstore_finds_what_fsspec_finds(stores: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """verify hashes S3 files with ranged GETs through the default reader (obstore), in threads:
+    a flipped byte and a deleted object are found as through s3fs, in the same order."""
+    pytest.importorskip("obstore")
+    import s3fs
+
+    from hsstore.location import StoreLocation
+    from hsstore.verify import verify_store
+
+    _, url = stores
+    monkeypatch.delenv("HSSTORE_RANGE_READER", raising=False)
+    assert verify_store(StoreLocation(url)) == []
+    fs = s3fs.S3FileSystem()
+    chunks = sorted(path for path in fs.find(url) if "/aux_hidden_states/c/" in path)
+    damaged = bytearray(fs.cat_file(chunks[0]))
+    damaged[len(damaged) // 2] ^= 0x04
+    fs.pipe_file(chunks[0], bytes(damaged))
+    fs.rm(chunks[-1])
+    found = [str(p) for p in verify_store(StoreLocation(url), threads=4)]
+    assert sorted(p.split(":")[0] for p in found) == ["checksum", "missing"], found
+    monkeypatch.setenv("HSSTORE_RANGE_READER", "fsspec")
+    assert [str(p) for p in verify_store(StoreLocation(url), threads=1)] == found
