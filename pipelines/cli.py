@@ -28,6 +28,8 @@ SUBCOMMAND_MODULES = (
 )
 
 
+NOISY_LOGGERS = ("botocore", "aiobotocore", "s3fs")
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hsstore",
@@ -54,6 +56,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if not args.verbose:
+        # botocore logs where it found the keys and the endpoint each time a client is made (zarr
+        # makes one per array it opens): on an s3:// store, pages of lines saying nothing new.
+        for name in NOISY_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

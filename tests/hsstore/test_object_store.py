@@ -475,3 +475,18 @@ def test_verify_through_obstore_finds_what_fsspec_finds(stores: tuple[str, str],
     assert sorted(p.split(":")[0] for p in found) == ["checksum", "missing"], found
     monkeypatch.setenv("HSSTORE_RANGE_READER", "fsspec")
     assert [str(p) for p in verify_store(StoreLocation(url), threads=1)] == found
+
+
+def test_the_cli_on_an_s3_store_prints_no_botocore_chatter(stores: tuple[str, str]) -> None:
+    """botocore logs at INFO where it found the keys each time a client is made (zarr makes one per
+    array): the CLI keeps its loggers at WARNING unless -v."""
+    import subprocess
+    import sys
+
+    _, url = stores
+    repo = Path(__file__).resolve().parents[2]
+    quiet = subprocess.run([sys.executable, "-m", "pipelines.cli", "verify", url], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert quiet.returncode == 0 and quiet.stdout.strip().endswith(": OK"), quiet.stderr[-2000:]
+    assert "botocore" not in quiet.stderr, quiet.stderr[-2000:]
+    verbose = subprocess.run([sys.executable, "-m", "pipelines.cli", "-v", "info", url], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert verbose.returncode == 0 and "botocore" in verbose.stderr
