@@ -375,7 +375,7 @@ class _ZarrRows:
         where = location.path(array_dir(shard.path, array_name))
         try:
             zstore = location.zarr_store(features_root(shard.path), read_only=True)
-            return cls(zarr.open_array(zstore, path=array_name, mode="r"), where)
+            return cls(zarr.open_array(zstore, path=array_name, mode="r", zarr_format=3), where)  # v3 only: no v2 probing
         except (ValueError, KeyError) as err:  # zarr's metadata errors are ValueErrors
             raise ShardCorruptError(f"shard {shard.shard_id}: {where}: cannot open: {err}") from err
 

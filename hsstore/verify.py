@@ -153,7 +153,11 @@ def _check_arrays(location: StoreLocation, manifest: StoreManifest, shard: Shard
         for array_name, tail, _, _, _ in spec.file_arrays():
             where = f"{root}/{array_name}"
             try:
-                array: Any = zarr.open_array(location.zarr_store(root, read_only=True), path=array_name, mode="r")
+                # zarr_format=3: hsstore writes v3 only; unspecified, zarr also probes for v2's
+                # .zarray/.zattrs, requests that cost as much as the open itself on object storage.
+                array: Any = zarr.open_array(
+                    location.zarr_store(root, read_only=True), path=array_name, mode="r", zarr_format=3
+                )
             except Exception as err:
                 problems.append(Problem("array", where, f"cannot open: {err}"))
                 continue
