@@ -490,3 +490,30 @@ def test_the_cli_on_an_s3_store_prints_no_botocore_chatter(stores: tuple[str, st
     assert "botocore" not in quiet.stderr, quiet.stderr[-2000:]
     verbose = subprocess.run([sys.executable, "-m", "pipelines.cli", "-v", "info", url], cwd=repo, capture_output=True, text=True, timeout=300)
     assert verbose.returncode == 0 and "botocore" in verbose.stderr
+
+
+def test_temporary_keys_from_botocore_are_refreshed_for_obstore() -> None:
+    """Assumed-role or SSO keys expire: obstore asks the callback again after CREDENTIALS_TTL, and
+    the callback hands over what botocore's refreshing credentials hold then (refreshed by botocore
+    once within its advisory window), never a stale copy."""
+    from datetime import UTC, datetime, timedelta
+
+    from botocore.credentials import RefreshableCredentials
+
+    from hsstore.range_reads import CREDENTIALS_TTL, _BotocoreCredentials
+
+    issued: list[str] = []
+
+    def refresh() -> dict[str, str]:
+        issued.append(f"key-{len(issued)}")
+        # Each set expires in 10 minutes: inside botocore's 15-minute advisory window, so every
+        # read of the frozen keys refreshes them.
+        expiry = datetime.now(UTC) + timedelta(minutes=10)
+        return {"access_key": issued[-1], "secret_key": "s", "token": "t", "expiry_time": expiry.isoformat()}
+
+    credentials = RefreshableCredentials.create_from_metadata(refresh(), refresh, "assume-role")
+    provider = _BotocoreCredentials(credentials)
+    first, second = provider(), provider()
+    assert first["access_key_id"] != second["access_key_id"] and second["access_key_id"] == issued[-1]
+    assert first["token"] == "t" and first["secret_access_key"] == "s"
+    assert timedelta(0) < first["expires_at"] - datetime.now(UTC) <= CREDENTIALS_TTL
