@@ -103,18 +103,19 @@ class ObstoreRangeReader:
             return store
 
     def _open(self, bucket: str) -> Any:
+        import botocore.session
         from obstore.store import S3Store
 
         config: Any = dict(self.config)
+        session = botocore.session.Session(profile=self.storage_options.get("profile"))
         provider: Any = None
         if "access_key_id" not in config and not config.get("skip_signature"):
-            provider, profile_region = _botocore_credentials(self.storage_options.get("profile"))
-            if profile_region:
-                config.setdefault("region", profile_region)
-        if not self.config.get("region"):  # not given explicitly: the bucket's own, where it says
-            found = _bucket_region(self.fs, bucket)
-            if found:
-                config["region"] = found
+            credentials = session.get_credentials()  # None: obstore tries its own chain (instance metadata)
+            provider = _BotocoreCredentials(credentials) if credentials is not None else None
+        if "region" not in config:  # not given explicitly: the bucket's own, else the environment's or profile's
+            region = _bucket_region(self.fs, bucket) or session.get_config_variable("region")
+            if region:
+                config["region"] = region
         client_options: Any = {"allow_http": True} if str(config.get("endpoint", "")).startswith("http://") else {}
         logger.debug("obstore reads s3://%s (region %s)", bucket, config.get("region", "default"))
         return S3Store(bucket, config=config, client_options=client_options, credential_provider=provider)
@@ -194,17 +195,6 @@ class _BotocoreCredentials:
             "token": frozen.token,
             "expires_at": datetime.now(UTC) + CREDENTIALS_TTL,
         }
-
-
-def _botocore_credentials(profile: str | None) -> tuple[_BotocoreCredentials | None, str | None]:
-    """botocore's credential chain (and the profile's region), as s3fs would resolve them; (None,
-    None) where botocore finds no keys: obstore then tries its own chain (instance metadata)."""
-    import botocore.session
-
-    session = botocore.session.Session(profile=profile)
-    credentials = session.get_credentials()
-    region = session.get_config_variable("region")
-    return (_BotocoreCredentials(credentials) if credentials is not None else None), region
 
 
 def _bucket_region(fs: Any, bucket: str) -> str | None:
