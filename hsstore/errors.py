@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 
 class HsstoreError(Exception):
     """Base class of every error hsstore raises on purpose."""
@@ -41,3 +44,17 @@ class RecipeError(HsstoreError, ValueError):
 
 class AuxLayerError(HsstoreError, ValueError):
     """Aux layer ids outside what the target has (hsstore.aux_layers holds the accepted range)."""
+
+
+def botocore_responses(err: BaseException) -> Iterator[dict[str, Any]]:
+    """The botocore response dicts along ``err``'s chain of causes, outermost first: s3fs turns a
+    botocore ``ClientError`` into an ``OSError`` and keeps it as ``__cause__``, with the status,
+    error code and headers the caller may need. Each exception is visited once (a chain can loop)."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        response = getattr(current, "response", None)
+        if isinstance(response, dict):
+            yield response
+        current = current.__cause__ or current.__context__

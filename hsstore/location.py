@@ -33,7 +33,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from hsstore.errors import CommitConflictError, StoreWriteError
+from hsstore.errors import CommitConflictError, StoreWriteError, botocore_responses
 from hsstore.range_reads import remote_range_reader
 
 HASH_BLOCK = 8 << 20
@@ -248,20 +248,12 @@ class StoreLocation:
 
 
 def _precondition_failed(err: BaseException) -> bool:
-    """Whether an s3fs error is a refused precondition (412) or a concurrent conditional write (409).
-
-    s3fs translates the botocore error into OSError/FileExistsError and keeps it as ``__cause__``."""
-    seen: set[int] = set()
-    current: BaseException | None = err
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        response = getattr(current, "response", None)
-        if isinstance(response, dict):
-            code = str(response.get("Error", {}).get("Code", ""))
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
-                return True
-        current = current.__cause__ or current.__context__
+    """Whether an s3fs error is a refused precondition (412) or a concurrent conditional write (409)."""
+    for response in botocore_responses(err):
+        code = str(response.get("Error", {}).get("Code", ""))
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
+            return True
     return False
 
 

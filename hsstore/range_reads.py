@@ -38,6 +38,8 @@ import threading
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from hsstore.errors import botocore_responses
+
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "HSSTORE_RANGE_READER"
@@ -205,11 +207,7 @@ def _bucket_region(fs: Any, bucket: str) -> str | None:
     try:
         response = fs.call_s3("head_bucket", Bucket=bucket)
     except Exception as err:  # any failure: look for the header on the error, else go without
-        response = {}
-        cause: BaseException | None = err
-        while cause is not None and not response:
-            response = getattr(cause, "response", None) or {}
-            cause = cause.__cause__ or cause.__context__
+        response = next(botocore_responses(err), {})
         if not response:
             logger.debug("no region for s3://%s from HEAD bucket: %s", bucket, err)
     headers = (response.get("ResponseMetadata") or {}).get("HTTPHeaders") or {}

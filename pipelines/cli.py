@@ -30,6 +30,7 @@ SUBCOMMAND_MODULES = (
 
 NOISY_LOGGERS = ("botocore", "aiobotocore", "s3fs")
 
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hsstore",
