@@ -38,6 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "vLLM's speculators that load the draft's embedding; vLLM/SGLang do not need it",
     )
     parser.set_defaults(func=run_export)
+    register_export_features(subparsers)
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -52,4 +53,61 @@ def run_export(args: argparse.Namespace) -> int:
         include_embed_tokens=args.include_embed_tokens,
     )
     print(f"exported {args.format} draft to {out}")
+    return 0
+
+
+def register_export_features(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "export-features",
+        help="write a store's samples in SpecForge's or speculators' offline feature layout",
+        description=(
+            "Stream STORE's samples into a peer trainer's offline layout: specforge (one torch.save "
+            "file per sample, bit-exact) or speculators (a datasets folder + hs_<i>.safetensors). "
+            "A README.md and hsstore-export.json beside the files record the target, the aux layer "
+            "ids and each file's sample id, which neither layout holds. See docs/peer-formats.md."
+        ),
+    )
+    parser.add_argument("store", metavar="STORE", help="store URL or path")
+    parser.add_argument("--format", choices=("specforge", "speculators"), required=True, help="layout")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    parser.add_argument("--limit", type=int, default=None, help="export only the first N selected samples")
+    parser.add_argument(
+        "--samples",
+        default=None,
+        metavar="SPEC",
+        help="which samples, in this order: indices and ranges (0-99,120) or @FILE of sample ids",
+    )
+    parser.add_argument(
+        "--target",
+        default=None,
+        metavar="DIR",
+        help="the target's directory (speculators: its final-norm weight rebuilds the pre-norm slot)",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty DIR")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=run_export_features)
+
+
+def run_export_features(args: argparse.Namespace) -> int:
+    import hsstore
+    from pipelines.export.features import export_features, parse_sample_selection
+
+    samples = None
+    if args.samples is not None:
+        samples = parse_sample_selection(args.samples, hsstore.open_store(args.store))
+    summary = export_features(
+        args.store,
+        args.out,
+        args.format,
+        samples=samples,
+        limit=args.limit,
+        target=args.target,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+    )
+    print(
+        f"exported {summary.num_samples} samples ({summary.num_tokens} tokens, "
+        f"{summary.bytes_written / 1e6:.1f} MB) as {summary.format} to {summary.out_dir} "
+        f"in {summary.seconds:.1f} s"
+    )
     return 0
