@@ -95,14 +95,17 @@ def extract(records: Path, store: Path, target: Path, device: str, max_length: i
 # -- the two trainers --------------------------------------------------------------------------
 
 
-def hyperparameters(args: argparse.Namespace) -> dict[str, Any]:
-    """What both trainers are given."""
+LOADER_SHUFFLE_WINDOW = 1024  # hsstore's LoaderConfig default, which train_hsstore keeps
+
+
+def hyperparameters(args: argparse.Namespace, steps: int) -> dict[str, Any]:
+    """What both trainers are given; warmup is 5% of each run's own steps."""
     return {
-        "steps": args.steps,
+        "steps": steps,
         "lr": args.lr,
-        "warmup_steps": max(1, args.steps // 20),
-        "min_lr_ratio": 0.1,
-        "betas": (0.9, 0.95),
+        "warmup_steps": max(1, steps // 20),
+        "min_lr_ratio": 0.0,  # SpecForge's cosine ends at 0 (not a knob there)
+        "betas": (0.9, 0.999),  # SpecForge's AdamW is built with the default betas
         "weight_decay": 0.0,
         "grad_clip": 0.5,
         "ttt_length": 7,
@@ -151,7 +154,7 @@ def export_eagle3(run_dir: Path, out: Path) -> Path:
 # -- evaluation --------------------------------------------------------------------------------
 
 
-def evaluate(draft: Path, heldout_store: str, prompts: Path, target: Path, device: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def decode(draft: Path, prompts: Path, target: Path, device: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     from pipelines.evaluate.recipe import EvaluateRecipe
     from pipelines.evaluate.runner import run_evaluation
     from pipelines.recipe import build_recipe
@@ -174,13 +177,11 @@ def evaluate(draft: Path, heldout_store: str, prompts: Path, target: Path, devic
             "device": device,
             "baseline": False,
             "seed": 0,
-            "proxy": {"store": heldout_store, "fraction": 1.0, "max_samples": args.heldout_samples, "ttt_length": 7},
         },
     )
     results = run_evaluation(recipe)
     al = {s["name"]: s["acceptance_length"] for s in results["settings"]}
     return {
-        "heldout_acc": results["offline_proxy"]["accuracy_per_depth"],
         "al_chain5_t0": al["chain5_t0"],
         "al_tree_t0": al["tree_t0"],
         "al_tree_t1": al["tree_t1"],
@@ -230,62 +231,312 @@ def verdicts(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
 # -- modes -------------------------------------------------------------------------------------
 
 
-def run_reference(args: argparse.Namespace) -> dict[str, Any]:
-    from benchmarks.specforge_peer import train_specforge
+def reference_paths(args: argparse.Namespace) -> dict[str, Path]:
+    work = Path(args.workdir)
+    return {
+        "work": work,
+        "train_store": work / "train-store",
+        "heldout_store": work / "heldout-store",
+        "features": work / "specforge-features",
+        "plan": work / "plan.json",
+    }
+
+
+def default_data(args: argparse.Namespace) -> tuple[Path, Path]:
+    shared_train, shared_eval = SHARED_DATA / "draft_train.jsonl", SHARED_DATA / "eval_prompts.jsonl"
+    data = Path(args.data) if args.data else (shared_train if shared_train.exists() else REPO / "examples" / "data" / "draft_train_slice.jsonl")
+    prompts = Path(args.eval_prompts) if args.eval_prompts else (shared_eval if shared_eval.exists() else REPO / "examples" / "data" / "eval_prompts.jsonl")
+    return data, prompts
+
+
+def stage_prepare(args: argparse.Namespace) -> dict[str, Any]:
+    """Split, extract both stores, write SpecForge's files, and fix the data order: both trainers
+    visit the same samples in the same order for ``--epochs`` epochs (SpecForge one sample per
+    step, hsstore packed rows of ``--token-budget`` tokens), so they see the same data; the steps
+    differ by the packing."""
+    from benchmarks.specforge_peer import hsstore_sample_order
+
+    import hsstore
     from pipelines.export.features import export_features
 
-    work = Path(args.workdir)
-    work.mkdir(parents=True, exist_ok=True)
-    data = Path(args.data) if args.data else (SHARED_DATA / "draft_train.jsonl" if (SHARED_DATA / "draft_train.jsonl").exists() else REPO / "examples" / "data" / "draft_train_slice.jsonl")
-    prompts = Path(args.eval_prompts) if args.eval_prompts else (SHARED_DATA / "eval_prompts.jsonl" if (SHARED_DATA / "eval_prompts.jsonl").exists() else REPO / "examples" / "data" / "eval_prompts.jsonl")
-    target = Path(args.target)
-    train_jsonl, heldout_jsonl = split_records(data, work)
+    paths = reference_paths(args)
+    paths["work"].mkdir(parents=True, exist_ok=True)
+    data, prompts = default_data(args)
+    train_jsonl, heldout_jsonl = split_records(data, paths["work"])
     t0 = time.perf_counter()
-    train_store = extract(train_jsonl, work / "train-store", target, args.device, args.max_length)
-    heldout_store = extract(heldout_jsonl, work / "heldout-store", target, args.device, args.max_length)
-    print(f"stores ready in {time.perf_counter() - t0:.0f} s", flush=True)
-    hp = hyperparameters(args)
-    features = work / "specforge-features"
-    if not (features / "hsstore-export.json").exists():
-        export_features(train_store, features, "specforge", overwrite=True)
+    train_store = extract(train_jsonl, paths["train_store"], Path(args.target), args.device, args.max_length)
+    extract(heldout_jsonl, paths["heldout_store"], Path(args.target), args.device, args.max_length)
+    if not (paths["features"] / "hsstore-export.json").exists():
+        export_features(train_store, paths["features"], "specforge", overwrite=True, progress=False)
+    store = hsstore.open_store(train_store)
+    orders, steps = {}, {}
+    for seed in args.seeds:
+        order = hsstore_sample_order(store, seed=seed, token_budget=args.token_budget, rows_per_batch=1,
+                                     shuffle_window=LOADER_SHUFFLE_WINDOW, epochs=args.epochs)
+        orders[str(seed)] = order
+        steps[str(seed)] = sum(len(store_plan_rows(store, args, seed, e)) for e in range(args.epochs))
+    plan = {
+        "epochs": args.epochs, "token_budget": args.token_budget, "max_length": args.max_length,
+        "train_records": sum(1 for _ in train_jsonl.open()), "heldout_records": sum(1 for _ in heldout_jsonl.open()),
+        "train_samples": store.num_samples, "train_tokens": store.num_tokens,
+        "hsstore_steps": steps, "specforge_steps": {k: len(v) for k, v in orders.items()},
+        "orders": orders, "prompts": str(prompts), "prepare_seconds": time.perf_counter() - t0,
+    }
+    paths["plan"].write_text(json.dumps(plan))
+    return plan
 
-    results: dict[str, list[dict[str, Any]]] = {"hsstore": [], "specforge": []}
-    vocab_source: Path | None = None
+
+def store_plan_rows(store: Any, args: argparse.Namespace, seed: int, epoch: int) -> list[Any]:
+    from hsstore.loader import StreamingLoader
+
+    loader = StreamingLoader(store, [], token_budget=args.token_budget, rows_per_batch=1, seed=seed,
+                             shuffle_window=LOADER_SHUFFLE_WINDOW, remainder="drop", long_samples="truncate")
+    return loader.plan(epoch).batches
+
+
+def stage_train(args: argparse.Namespace, trainer: str) -> None:
+    from benchmarks.specforge_peer import train_specforge
+
+    paths = reference_paths(args)
+    plan = json.loads(paths["plan"].read_text())
+    target = Path(args.target)
     for seed in args.seeds:
-        run_dir = work / f"hsstore-seed{seed}"
-        summary = train_hsstore(train_store, target, run_dir, seed, hp, args.device)
-        export = export_eagle3(run_dir, work / f"hsstore-seed{seed}-export")
-        vocab_source = vocab_source or export
-        print(f"hsstore seed {seed}: {summary['tokens_per_s']:.0f} tok/s, loss {summary['final_loss']}", flush=True)
-        scores = evaluate(export, heldout_store, prompts, target, args.eval_device, args, work / f"eval-hsstore-{seed}")
-        results["hsstore"].append({"seed": seed, "tokens_per_s": summary["tokens_per_s"], "train_wall_s": summary["wall_s"], "final_loss": summary["final_loss"], **scores})
-        print(json.dumps(results["hsstore"][-1]), flush=True)
-    assert vocab_source is not None
-    for seed in args.seeds:
-        sf = train_specforge(
-            features, vocab_source / "config.json", vocab_source, target, work / f"specforge-seed{seed}",
-            steps=hp["steps"], lr=hp["lr"], warmup_steps=hp["warmup_steps"], min_lr_ratio=hp["min_lr_ratio"],
-            ttt_length=hp["ttt_length"], max_len=args.max_length, batch_size=1, token_budget=hp["token_budget"],
-            seed=seed, device=args.device, grad_clip=hp["grad_clip"], betas=hp["betas"], weight_decay=hp["weight_decay"],
-        )
-        print(f"specforge seed {seed}: {sf['tokens_per_s']:.0f} tok/s", flush=True)
-        scores = evaluate(Path(sf["export_dir"]), heldout_store, prompts, target, args.eval_device, args, work / f"eval-specforge-{seed}")
-        results["specforge"].append({"seed": seed, "tokens_per_s": sf["tokens_per_s"], "train_wall_s": sf.get("train_seconds"), "final_loss": sf.get("final_loss"), **scores})
-        print(json.dumps(results["specforge"][-1]), flush=True)
-    ours, theirs = aggregate(results["hsstore"]), aggregate(results["specforge"])
+        out = paths["work"] / f"{trainer}-seed{seed}"
+        steps_key = "hsstore_steps" if trainer == "hsstore" else "specforge_steps"
+        hp = hyperparameters(args, plan[steps_key][str(seed)])
+        if trainer == "hsstore":
+            summary = train_hsstore(str(paths["train_store"]), target, out, seed, hp, args.device)
+            export = export_eagle3(out, paths["work"] / f"hsstore-seed{seed}-export")
+            result = {"tokens_per_s": summary["tokens_per_s"], "train_seconds": summary["wall_s"],
+                      "final_loss": summary["final_loss"], "steps": hp["steps"], "export_dir": str(export)}
+        else:
+            vocab = paths["work"] / "hsstore-seed0-export"
+            sf = train_specforge(
+                paths["features"], vocab / "config.json", vocab, target, out,
+                steps=hp["steps"], lr=hp["lr"], warmup_steps=hp["warmup_steps"], min_lr_ratio=hp["min_lr_ratio"],
+                ttt_length=hp["ttt_length"], max_len=args.max_length, batch_size=1, seed=seed,
+                device=args.device, grad_clip=hp["grad_clip"], betas=hp["betas"], weight_decay=hp["weight_decay"],
+                sample_order=plan["orders"][str(seed)], log_interval=log_interval(hp["steps"]),
+            )
+            result = {k: sf[k] for k in ("tokens_per_s", "train_seconds", "final_loss", "steps", "export_dir", "shims") if k in sf}
+        result.update(seed=seed, trainer=trainer, concurrent=args.concurrent)
+        (paths["work"] / f"train-{trainer}-{seed}.json").write_text(json.dumps(result))
+        print(json.dumps(result), flush=True)
+
+
+def log_interval(steps: int) -> int:
+    """The largest of 50, 25, 10, 5, 1 that divides ``steps`` (SpecForge's runner needs one)."""
+    return next(n for n in (50, 25, 10, 5, 1) if steps % n == 0)
+
+
+def stage_heldout(args: argparse.Namespace) -> None:
+    """Per-depth accuracy of every trained draft on the held-out store (hsstore's offline proxy,
+    the same code for both drafts)."""
+    import torch
+
+    from pipelines.evaluate.proxy import offline_proxy
+    from pipelines.evaluate.recipe import ProxyConfig
+    from pipelines.models.checkpoint import load_draft
+    from pipelines.train.target_heads import load_target_heads
+
+    paths = reference_paths(args)
+    device = torch.device(args.eval_device)
+    embed = load_target_heads(args.target).embed_tokens_VH.to(torch.float32)
+    config = ProxyConfig(store=str(paths["heldout_store"]), fraction=1.0, max_samples=args.heldout_samples, ttt_length=7)
+    for result_file in sorted(paths["work"].glob("train-*-*.json")):
+        result = json.loads(result_file.read_text())
+        draft = load_draft(result["export_dir"], device=device, dtype=torch.float32, embed_tokens=embed).eval()
+        with torch.no_grad():
+            proxy = offline_proxy(draft, config, args.target, [], device)
+        result["heldout_acc"] = proxy["accuracy_per_depth"]
+        result_file.write_text(json.dumps(result))
+        print(result["trainer"], result["seed"], [round(a, 4) for a in result["heldout_acc"]], flush=True)
+
+
+def stage_decode(args: argparse.Namespace) -> None:
+    """Acceptance length of every trained draft (chain 5 and tree 8/5/31 at T=0, tree at T=1)."""
+    paths = reference_paths(args)
+    _, prompts = default_data(args)
+    for result_file in sorted(paths["work"].glob("train-*-*.json")):
+        result = json.loads(result_file.read_text())
+        if args.draft_root:  # drafts brought back from another machine
+            result["export_dir"] = str(Path(args.draft_root) / Path(result["export_dir"]).name)
+        if "al_tree_t0" in result and not args.redo:
+            continue
+        scores = decode(Path(result["export_dir"]), prompts, Path(args.target), args.eval_device, args,
+                        paths["work"] / f"eval-{result['trainer']}-{result['seed']}")
+        result.update(scores)
+        result_file.write_text(json.dumps(result))
+        print(result["trainer"], result["seed"], scores, flush=True)
+
+
+def stage_report(args: argparse.Namespace) -> dict[str, Any]:
+    paths = reference_paths(args)
+    plan = json.loads(paths["plan"].read_text())
+    runs: dict[str, list[dict[str, Any]]] = {"hsstore": [], "specforge": []}
+    for result_file in sorted(paths["work"].glob("train-*-*.json")):
+        result = json.loads(result_file.read_text())
+        if result.get("concurrent"):
+            # trained beside other runs on the same device: its speed is not a clean figure
+            result["tokens_per_s_concurrent"] = result.pop("tokens_per_s")
+        runs[result["trainer"]].append(result)
+    ours, theirs = aggregate(runs["hsstore"]), aggregate(runs["specforge"])
     return {
-        "steps": args.steps,
-        "seeds": len(args.seeds),
-        "hyperparameters": {k: list(v) if isinstance(v, tuple) else v for k, v in hp.items()},
-        "train_records": sum(1 for _ in train_jsonl.open()),
-        "heldout_records": sum(1 for _ in heldout_jsonl.open()),
-        "max_length": args.max_length,
+        "steps": {"hsstore": plan["hsstore_steps"], "specforge": plan["specforge_steps"]},
+        "epochs": plan["epochs"],
+        "seeds": len(runs["hsstore"]),
+        "hyperparameters": {k: list(v) if isinstance(v, tuple) else v for k, v in hyperparameters(args, 0).items() if k != "steps"},
+        **{k: plan[k] for k in ("train_records", "heldout_records", "train_samples", "train_tokens", "max_length", "token_budget")},
         "eval_prompts": args.prompts,
         "max_new_tokens": args.max_new_tokens,
         "hsstore": ours,
         "specforge": theirs,
         "verdicts": verdicts(ours, theirs),
     }
+
+
+# -- Qwen3-8B shape: speed only ----------------------------------------------------------------
+
+QWEN3_8B = dict(  # Qwen/Qwen3-8B config.json
+    vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+    rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+)
+
+
+def random_heads_target(workdir: Path) -> Path:
+    """A Qwen3-8B-shaped target directory holding only what both trainers read of it: its config,
+    and random bf16 embed_tokens, final norm and lm_head (the transformer stack is never loaded)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen3Config
+
+    target = workdir / "qwen3-8b-heads"
+    if (target / "model.safetensors").exists():
+        return target
+    target.mkdir(parents=True, exist_ok=True)
+    Qwen3Config(**QWEN3_8B, architectures=["Qwen3ForCausalLM"]).save_pretrained(target)
+    gen = torch.Generator().manual_seed(0)
+    shape = (QWEN3_8B["vocab_size"], QWEN3_8B["hidden_size"])
+    save_file({
+        "model.embed_tokens.weight": (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16),
+        "model.norm.weight": torch.ones(QWEN3_8B["hidden_size"], dtype=torch.bfloat16),
+        "lm_head.weight": (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16),
+    }, str(target / "model.safetensors"))
+    return target
+
+
+def random_store(store: Path, target: Path, num_samples: int, length: int) -> str:
+    """Random bf16 features of the 8B shape, every position in the loss mask: the same bytes go to
+    both trainers (hsstore streams the store, SpecForge reads the exported files)."""
+    import numpy as np
+    import torch
+
+    import hsstore
+    from pipelines import target_identity as ti
+
+    if (store / "manifest.json").exists():
+        return str(store)
+    hidden, layers = QWEN3_8B["hidden_size"], QWEN3_8B["num_hidden_layers"]
+    aux = [2, layers // 2, layers - 3]
+    found = ti.target_identity(target)
+    lineage = hsstore.Lineage(
+        target=hsstore.TargetIdentity(
+            name_or_path=str(target), architecture=found["architecture"], model_type=found["model_type"],
+            config_sha256=found["config_sha256"], weights_sha256=found["weight_files"],
+            num_hidden_layers=found["num_hidden_layers"], hidden_size=found["hidden_size"],
+            vocab_size=found["vocab_size"],
+        ),
+        aux_layer_ids=aux, max_length=length,
+    )
+    specs = [hsstore.FeatureSpec(name="aux_hidden_states", shape=(len(aux), hidden)),
+             hsstore.FeatureSpec(name="final_hidden_state", shape=(hidden,))]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(0)
+    with hsstore.StoreWriter(str(store), specs, lineage, shard_max_tokens=1 << 16) as writer:
+        for i in range(num_samples):
+            ids = torch.randint(0, QWEN3_8B["vocab_size"], (length,), generator=gen, device=device)
+            features = {
+                "aux_hidden_states": torch.randn(length, len(aux), hidden, generator=gen, device=device).to(torch.bfloat16).cpu(),
+                "final_hidden_state": torch.randn(length, hidden, generator=gen, device=device).to(torch.bfloat16).cpu(),
+            }
+            writer.add_sample(sample_id=f"rand-{i}", source_id=f"rand-{i}", input_ids=ids.cpu().numpy(),
+                              loss_mask=np.ones(length, dtype=np.uint8), features=features)
+    return str(store)
+
+
+def steady_tokens_per_s(metrics: Path, skip_steps: int) -> float:
+    """tokens/s over the log intervals that start after ``skip_steps`` (compilation and the first
+    reads left out, as for SpecForge's figure)."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "tokens" in r and "wall_s" in r]
+    kept, previous = [], 0
+    for row in rows:
+        if previous >= skip_steps:
+            kept.append(row)
+        previous = row["step"]
+    return sum(r["tokens"] for r in kept) / sum(r["wall_s"] for r in kept)
+
+
+def run_speed(args: argparse.Namespace) -> dict[str, Any]:
+    from benchmarks.specforge_peer import train_specforge
+
+    from pipelines.export.features import export_features
+
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    length = args.token_budget
+    num_samples = args.steps + 2
+    t0 = time.perf_counter()
+    target = random_heads_target(work)
+    store = random_store(work / "store-8b", target, num_samples, length)
+    features = work / "specforge-features-8b"
+    if not (features / "hsstore-export.json").exists():
+        export_features(store, features, "specforge", overwrite=True)
+    print(f"target, store and SpecForge files ready in {time.perf_counter() - t0:.0f} s", flush=True)
+    hp = hyperparameters(args, args.steps)
+    hp["lr"] = 1e-4
+    warm = max(5, args.steps // 4)
+    ours = train_hsstore_8b(store, target, work / "hsstore-8b", hp, args)
+    ours_tps = steady_tokens_per_s(work / "hsstore-8b" / "metrics.jsonl", warm)
+    export = export_eagle3(work / "hsstore-8b", work / "hsstore-8b-export")
+    theirs = train_specforge(
+        features, export / "config.json", export, target, work / "specforge-8b",
+        steps=hp["steps"], lr=hp["lr"], warmup_steps=hp["warmup_steps"], min_lr_ratio=0.0,
+        ttt_length=7, max_len=length, batch_size=1, seed=0, device=args.device,
+        grad_clip=hp["grad_clip"], betas=(0.9, 0.999), weight_decay=0.0, log_interval=log_interval(hp["steps"]),
+    )
+    return {
+        "hsstore_tokens_per_s": ours_tps,
+        "specforge_tokens_per_s": theirs["steady_tokens_per_s"],
+        "ratio": ours_tps / theirs["steady_tokens_per_s"],
+        "aim_1_2x": "met" if ours_tps >= 1.2 * theirs["steady_tokens_per_s"] else "not met",
+        "steps": hp["steps"],
+        "steady_state_from_step": warm,
+        "row_tokens": length,
+        "hsstore_whole_run_tokens_per_s": ours["tokens_per_s"],
+        "specforge_whole_run_tokens_per_s": theirs["tokens_per_s"],
+        "specforge_shims": theirs.get("shims"),
+    }
+
+
+def train_hsstore_8b(store: str, target: Path, out: Path, hp: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    from pipelines.recipe import build_recipe
+    from pipelines.train.config import TrainRecipe
+    from pipelines.train.trainer import run_training
+
+    recipe = build_recipe(
+        TrainRecipe,
+        {
+            "store": store, "target": str(target), "output_dir": str(out), "max_steps": hp["steps"],
+            "draft": {"vocab": {"draft_vocab_size": 32000}}, "ttt_length": 7,
+            "optimizer": {"lr": hp["lr"], "betas": [0.9, 0.999], "weight_decay": 0.0, "grad_clip": hp["grad_clip"]},
+            "schedule": {"warmup_steps": hp["warmup_steps"], "min_lr_ratio": 0.0},
+            "loader": {"token_budget": args.token_budget, "rows_per_batch": 1},
+            "seed": 0, "device": args.device, "resume": False, "log_every": 1, "verify_weights": False,
+        },
+    )
+    return run_training(recipe)
 
 
 def machine() -> dict[str, Any]:
@@ -311,16 +562,22 @@ def write_section(out: Path, section: str, result: dict[str, Any]) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", choices=("reference", "qwen3-8b"))
+    parser.add_argument("--stage", default="all", choices=STAGES,
+                        help="reference mode: one stage (each reads what the previous wrote in --workdir)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--eval-device", default=None, help="where drafts are evaluated (default: --device)")
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--epochs", type=int, default=2, help="reference: passes over the training store")
+    parser.add_argument("--steps", type=int, default=40, help="qwen3-8b: optimizer steps of each trainer")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--token-budget", type=int, default=4096, help="tokens per step (packed row)")
+    parser.add_argument("--token-budget", type=int, default=2048, help="hsstore's tokens per packed row (8B: per sample)")
     parser.add_argument("--max-length", type=int, default=2048)
     parser.add_argument("--prompts", type=int, default=50, help="held-out prompts decoded per draft")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--heldout-samples", type=int, default=64)
+    parser.add_argument("--concurrent", action="store_true", help="this training runs beside others (its tokens/s is not reported)")
+    parser.add_argument("--draft-root", default=None, help="decode: the exported drafts' folder, if moved")
+    parser.add_argument("--redo", action="store_true", help="decode: again even where done")
     parser.add_argument("--data", default=None)
     parser.add_argument("--eval-prompts", default=None)
     parser.add_argument("--target", default=str(REFERENCE_TARGET))
@@ -332,18 +589,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+STAGES = ("all", "prepare", "train-hsstore", "train-specforge", "heldout", "decode", "report")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.mode == "reference":
-        result = run_reference(args)
-        section = args.section or ("reference_gpu" if args.device.startswith("cuda") else "reference_cpu")
-    else:
-        from benchmarks.vs_specforge_speed import run_speed
-
+    if args.mode == "qwen3-8b":
         result = run_speed(args)
-        section = args.section or "qwen3_8b_shape_gpu"
-    write_section(Path(args.out), section, result)
-    print(json.dumps({k: v for k, v in result.items() if k not in ("hsstore", "specforge")}, indent=1))
+        write_section(Path(args.out), args.section or "qwen3_8b_shape_gpu", result)
+        print(json.dumps(result, indent=1))
+        return 0
+    stages = STAGES[1:] if args.stage == "all" else (args.stage,)
+    for stage in stages:
+        print(f"== {stage}", flush=True)
+        if stage == "prepare":
+            plan = stage_prepare(args)
+            print(json.dumps({k: v for k, v in plan.items() if k != "orders"}), flush=True)
+        elif stage.startswith("train-"):
+            stage_train(args, stage.removeprefix("train-"))
+        elif stage == "heldout":
+            stage_heldout(args)
+        elif stage == "decode":
+            stage_decode(args)
+        else:
+            result = stage_report(args)
+            write_section(Path(args.out), args.section or ("reference_gpu" if args.device.startswith("cuda") else "reference_cpu"), result)
+            print(json.dumps({k: v for k, v in result.items() if k not in ("hsstore", "specforge")}, indent=1))
     return 0
 
 
