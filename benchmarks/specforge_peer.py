@@ -119,8 +119,12 @@ def write_vocab_mapping(source: str | os.PathLike[str], path: str | os.PathLike[
     if missing:
         raise SpecForgeRunError(f"{weights}: no {missing}; export the hsstore draft with `hsstore export`")
     d2t, t2d = tensors["d2t"].to(torch.int64), tensors["t2d"].to(torch.bool)
-    if int(t2d.sum()) != d2t.numel():
-        raise SpecForgeRunError(f"{weights}: t2d marks {int(t2d.sum())} ids but d2t has {d2t.numel()}")
+    target_ids = torch.arange(d2t.numel()) + d2t
+    if int(t2d.sum()) != d2t.numel() or not bool(t2d[target_ids].all()):
+        raise SpecForgeRunError(f"{weights}: t2d marks {int(t2d.sum())} ids, not the {d2t.numel()} of d2t")
+    # SpecForge's teacher is softmax(logits[..., t2d]): target-id order must be draft-id order.
+    if not bool((target_ids[1:] > target_ids[:-1]).all()):
+        raise SpecForgeRunError(f"{weights}: draft ids are not sorted by target id, as SpecForge's teacher assumes")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"d2t": d2t, "t2d": t2d}, path)
