@@ -148,7 +148,7 @@ def export_eagle3(run_dir: Path, out: Path) -> Path:
 
     if (out / "config.json").exists():
         return out
-    return export_draft(run_dir, "eagle3", out, dtype="float32", include_embed_tokens=False)
+    return export_draft(run_dir, "eagle3", out, dtype="bfloat16", include_embed_tokens=False)  # as served
 
 
 # -- evaluation --------------------------------------------------------------------------------
