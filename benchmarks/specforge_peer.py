@@ -51,6 +51,12 @@ Shims (only where SpecForge cannot run otherwise; reported in the result's ``shi
 - CPU only, config: ``training.fsdp_sharding=NO_SHARD`` (FSDP refuses the CPU) and
   ``training.attention_backend=sdpa`` (its default ``flex_attention`` is CUDA-only here).
 - ``optimizer`` (opt-in, ``patch_optimizer=True``): see above.
+- ``aligned-loss-mask`` (opt-in data shim, ``align_loss_mask=True``): SpecForge trains on copies
+  whose loss mask is shifted left by two, so that it scores the positions hsstore scores
+  (docs/vs-specforge.md, item 1).
+
+The code shims live in ``benchmarks/specforge_shims.py``, the script the subprocess runs when a
+shim is needed (it applies them, then calls ``specforge.cli.main``).
 
 On CUDA with SpecForge-compatible optimizer knobs nothing is patched: ``python -m specforge.cli``.
 """
@@ -72,6 +78,8 @@ from typing import Any
 SPECFORGE_BETAS = (0.9, 0.999)  # torch.optim.AdamW's default, used by specforge.optimizer
 SPECFORGE_WEIGHT_DECAY = 0.0
 RUN_ID = "specforge-run"
+ALIGNED_LOSS_MASK_SHIM = "aligned-loss-mask: loss_mask shifted left by two in a copy of the features"
+SHIMS_SCRIPT = Path(__file__).resolve().with_name("specforge_shims.py")  # runs in the subprocess
 _FEATURE_NAME = re.compile(r"^data_(\d+)\.ckpt(\.gz)?$")
 _STEP_LINE = re.compile(r"^step (\d+): (\{.*\})\s*$")
 
@@ -155,6 +163,28 @@ def ordered_view(files: dict[int, Path], sample_order: Sequence[int], seed: int,
     if list_feature_files(str(view_dir)) != [str(p.absolute()) for p in names]:
         raise SpecForgeRunError(f"{view_dir}: SpecForge lists the view's files in another order")
     return view_dir
+
+
+def aligned_loss_mask_copy(files: dict[int, Path], samples: Sequence[int], out_dir: Path) -> dict[int, Path]:
+    """Copies of ``samples`` whose ``loss_mask`` is shifted left by two (0 for the last two tokens).
+
+    SpecForge scores the prediction of token ``j + 2`` with ``loss_mask[j]`` (docs/vs-specforge.md,
+    item 1); with ``loss_mask'[j] = loss_mask[j + 2]`` it scores exactly the positions hsstore
+    scores. A data shim, for comparing the trainers rather than that convention.
+    """
+    import torch
+
+    copies: dict[int, Path] = {}
+    for sample in sorted(set(samples)):
+        data = torch.load(files[sample], weights_only=True)
+        mask = torch.zeros_like(data["loss_mask"])
+        mask[:-2] = data["loss_mask"][2:]
+        data["loss_mask"] = mask
+        path = out_dir / f"rows_{sample // 5000 * 5000}-{sample // 5000 * 5000 + 5000}" / f"data_{sample}.ckpt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(data, path)
+        copies[sample] = path
+    return copies
 
 
 def hsstore_sample_order(store: Any, *, seed: int, token_budget: int, rows_per_batch: int,
@@ -297,14 +327,16 @@ def train_specforge(features_dir: Path, draft_config: Path, vocab_mapping: Path,
                     weight_decay: float = SPECFORGE_WEIGHT_DECAY, accumulation_steps: int = 1,
                     sample_order: Sequence[int] | None = None, patch_optimizer: bool = False,
                     attention_backend: str | None = None, log_interval: int = 1,
-                    dataloader_num_workers: int | None = None) -> dict[str, Any]:
+                    dataloader_num_workers: int | None = None, align_loss_mask: bool = False) -> dict[str, Any]:
     """Train with ``specforge train`` in a subprocess, export with ``specforge export --to hf``.
 
     ``vocab_mapping``: hsstore's exported draft (dir or safetensors, its ``d2t``/``t2d``) or a
     SpecForge ``.pt`` mapping. ``sample_order``: sample ids to train on, in order (one epoch of
     SpecForge; at least ``steps * batch_size * accumulation_steps`` of them); None: SpecForge's own
     shuffled epochs. ``device``: ``cpu``, ``cuda`` or ``cuda:N``. ``log_interval`` must divide
-    ``steps`` (tokens/s comes from SpecForge's per-window step times).
+    ``steps`` (tokens/s comes from SpecForge's per-window step times). ``align_loss_mask``: train
+    on copies whose loss mask is shifted so that SpecForge scores hsstore's positions
+    (:func:`aligned_loss_mask_copy`; a data shim, off by default).
 
     Returns ``export_dir``, ``tokens_per_s`` (real tokens / ``train_seconds``, SpecForge's wall time
     from its first to its last step: reads, compute, optimizer; not its start-up),
@@ -320,6 +352,11 @@ def train_specforge(features_dir: Path, draft_config: Path, vocab_mapping: Path,
     out_dir.mkdir(parents=True, exist_ok=True)
     files = feature_files(features_dir)
     samples_per_step = batch_size * accumulation_steps
+    data_shims = []
+    if align_loss_mask:  # a data shim: SpecForge then scores the positions hsstore scores
+        data_shims.append(ALIGNED_LOSS_MASK_SHIM)
+        files = aligned_loss_mask_copy(files, list(sample_order or files), out_dir / "aligned_features")
+        features_dir = out_dir / "aligned_features"
     if sample_order is not None:
         if len(sample_order) < steps * samples_per_step:
             raise SpecForgeRunError(f"sample_order has {len(sample_order)} samples; {steps} steps of "
@@ -351,7 +388,7 @@ def train_specforge(features_dir: Path, draft_config: Path, vocab_mapping: Path,
         env["CUDA_VISIBLE_DEVICES"] = ""
     elif device.startswith("cuda:"):
         env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
-    train_cmd = ([sys.executable, str(Path(__file__).resolve()), "--shims", json.dumps(shims)] if shims
+    train_cmd = ([sys.executable, str(SHIMS_SCRIPT), "--shims", json.dumps(shims)] if shims
                  else [sys.executable, "-m", "specforge.cli"]) + ["train", "-c", str(config_path)]
     wall_seconds = _run(train_cmd, out_dir / "specforge_train.log", env, out_dir)
     metrics = parse_step_metrics((out_dir / "specforge_train.log").read_text(errors="replace"))
@@ -374,7 +411,8 @@ def train_specforge(features_dir: Path, draft_config: Path, vocab_mapping: Path,
         "final_loss": float(final["loss"]),
         "final_acc": [float(final[f"acc_{i}"]) for i in range(ttt_length)],
         "metrics": [{"step": s, **m} for s, m in metrics],
-        "shims": sorted(shims) + (["config: fsdp_sharding=NO_SHARD, attention_backend=sdpa"] if cpu else []),
+        "shims": sorted(shims) + data_shims
+        + (["config: fsdp_sharding=NO_SHARD, attention_backend=sdpa"] if cpu else []),
         "config": str(config_path),
     }
     (out_dir / "result.json").write_text(json.dumps(result, indent=1))
@@ -393,63 +431,3 @@ def _export(out_dir: Path, steps: int, draft_config: Path, mapping: Path, target
            "--vocab-mapping", str(mapping), "--embedding-source", str(target_dir)]
     _run(cmd, out_dir / "specforge_export.log", env, out_dir)
     return export_dir
-
-
-# -- inside the subprocess: the shims, then SpecForge's own CLI ---------------------------------
-
-
-def _install_cpu_loss() -> None:
-    """Replace ``specforge.core.loss`` (Triton) with an eager function of the same value and gradient."""
-    import types
-
-    import specforge.core
-    import torch
-
-    class LogSoftmaxLoss:
-        @staticmethod
-        def apply(logits: torch.Tensor, target: torch.Tensor, position_mask: torch.Tensor) -> torch.Tensor:
-            batch, length, _ = logits.shape
-            log_q = torch.log_softmax(logits.float(), dim=-1)
-            per_position = -(target.float() * log_q).sum(-1) * position_mask.reshape(batch, length).float()
-            return per_position.mean()  # over all B*T positions, masked ones included, as the kernel
-
-    module = types.ModuleType("specforge.core.loss")
-    module.LogSoftmaxLoss = LogSoftmaxLoss
-    sys.modules["specforge.core.loss"] = module
-    specforge.core.loss = module
-
-
-def _install_optimizer(betas: Sequence[float], weight_decay: float, min_lr_ratio: float) -> None:
-    """Give SpecForge's ``BF16Optimizer`` hsstore's AdamW betas, weight decay and final LR."""
-    import specforge.optimizer as opt
-    from torch.optim.lr_scheduler import CosineAnnealingLR
-
-    original = opt.BF16Optimizer.__init__
-
-    def patched(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        for group in self.optimizer.param_groups:
-            group["betas"], group["weight_decay"] = tuple(betas), weight_decay
-        after = getattr(self.scheduler, "after_scheduler", None)
-        if isinstance(after, CosineAnnealingLR):
-            after.eta_min = min_lr_ratio * self.optimizer.param_groups[0]["initial_lr"]
-
-    opt.BF16Optimizer.__init__ = patched
-
-
-def _main(argv: list[str]) -> int:
-    """``specforge_peer.py --shims JSON train -c CONFIG``: apply the shims, run SpecForge's CLI."""
-    if argv[:1] != ["--shims"]:
-        raise SystemExit("usage: specforge_peer.py --shims JSON <specforge CLI arguments>")
-    shims = json.loads(argv[1])
-    if shims.get("cpu-loss"):
-        _install_cpu_loss()
-    if "optimizer" in shims:
-        _install_optimizer(**shims["optimizer"])
-    from specforge.cli import main
-
-    return main(argv[2:])
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main(sys.argv[1:]))

@@ -79,6 +79,22 @@ def test_specforge_visits_the_ordered_view_in_the_given_order(features: Path, tm
     assert visited == [files[i].resolve() for i in order]
 
 
+def test_aligned_copy_makes_specforge_score_hsstores_positions(features: Path, tmp_path: Path) -> None:
+    """SpecForge scores (t, depth i) iff mask[t + i] (its offline shift); on the aligned copy that is
+    hsstore's rule, loss_mask[t + 2 + i] with token t + 2 + i inside the sample."""
+    files = peer.feature_files(features)
+    copies = peer.aligned_loss_mask_copy(files, [1, 4], tmp_path / "aligned")
+    assert sorted(copies) == [1, 4]
+    for sample, path in copies.items():
+        original = torch.load(files[sample], weights_only=True)["loss_mask"]
+        aligned = torch.load(path, weights_only=True)["loss_mask"]
+        length = original.numel()
+        for depth in range(7):
+            specforge = {t for t in range(length - 1 - depth) if aligned[t + depth]}  # last position: 0
+            hsstore = {t for t in range(length) if t + 2 + depth < length and original[t + 2 + depth]}
+            assert specforge == hsstore
+
+
 def test_optimizer_knobs_specforge_lacks_are_refused_unless_patched() -> None:
     with pytest.raises(peer.SpecForgeRunError, match=r"no knob for \['betas', 'min_lr_ratio'\]"):
         peer._shims(False, False, (0.9, 0.95), 0.0, 0.1)
@@ -96,14 +112,14 @@ def test_tiny_run_trains_exports_and_loads_through_load_draft(
     result: dict[str, Any] = peer.train_specforge(
         features, hsstore_export / "config.json", hsstore_export, REFERENCE_TARGET, tmp_path / "sf",
         steps=4, lr=1e-3, warmup_steps=1, max_len=256, batch_size=2, seed=0, device="cpu", grad_clip=0.5,
-        betas=(0.9, 0.95), min_lr_ratio=0.1, patch_optimizer=True, sample_order=order)
+        betas=(0.9, 0.95), min_lr_ratio=0.1, patch_optimizer=True, sample_order=order, align_loss_mask=True)
     losses = [m["loss"] for m in result["metrics"]]
     assert [m["step"] for m in result["metrics"]] == [1, 2, 3, 4]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
     lengths = peer.sample_lengths(peer.feature_files(features))
     assert result["num_tokens"] == sum(min(256, lengths[i]) for i in order[:8])  # 4 steps x 2 samples
     assert result["tokens_per_s"] > 0 and result["train_seconds"] > 0
-    assert result["shims"][:2] == ["cpu-loss", "optimizer"]
+    assert result["shims"][:3] == ["cpu-loss", "optimizer", peer.ALIGNED_LOSS_MASK_SHIM]
     # The optimizer shim took: the last step's LR sits on hsstore's floor side of the cosine.
     assert result["metrics"][-1]["lr"] == pytest.approx(1e-4)
 
