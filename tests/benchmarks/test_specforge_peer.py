@@ -130,6 +130,15 @@ def test_tiny_run_trains_exports_and_loads_through_load_draft(
     target_embed = _target_tensor("model.embed_tokens.weight")  # the export ships it (frozen in training)
     assert torch.equal(draft.embed_tokens.weight, target_embed.to(draft.embed_tokens.weight.dtype))
 
+    # `hsstore evaluate`'s loader takes it too (checks it fits the target, installs its embedding).
+    from transformers import AutoModelForCausalLM
+
+    from pipelines.evaluate.runner import load_evaluation_draft
+
+    target = AutoModelForCausalLM.from_pretrained(REFERENCE_TARGET, dtype=torch.float32)
+    loaded, _ = load_evaluation_draft(result["export_dir"], target, torch.float32, torch.device("cpu"))
+    assert torch.equal(loaded.d2t, ours["d2t"])
+
 
 def _target_tensor(key: str) -> torch.Tensor:
     """One tensor of the reference target, by name, through its safetensors index."""
