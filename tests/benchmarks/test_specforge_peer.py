@@ -140,6 +140,21 @@ def test_tiny_run_trains_exports_and_loads_through_load_draft(
     assert torch.equal(loaded.d2t, ours["d2t"])
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_on_cuda_specforge_runs_unpatched(features: Path, hsstore_export: Path, tmp_path: Path) -> None:
+    """On the GPU SpecForge runs as its users run it: its Triton loss, FSDP, flex attention, no
+    shim (SpecForge's own AdamW betas and cosine to 0)."""
+    result = peer.train_specforge(
+        features, hsstore_export / "config.json", hsstore_export, REFERENCE_TARGET, tmp_path / "sf",
+        steps=4, lr=1e-3, warmup_steps=1, max_len=256, batch_size=2, seed=0, device="cuda", grad_clip=0.5)
+    assert result["shims"] == []
+    losses = [m["loss"] for m in result["metrics"]]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    draft = load_draft(result["export_dir"])
+    assert torch.equal(draft.d2t.cpu(), load_file(hsstore_export / "model.safetensors")["d2t"])
+
+
 def _target_tensor(key: str) -> torch.Tensor:
     """One tensor of the reference target, by name, through its safetensors index."""
     shard = json.loads((REFERENCE_TARGET / "model.safetensors.index.json").read_text())["weight_map"][key]
