@@ -99,6 +99,7 @@ __all__ = [
 
 SPECFORGE_BETAS = (0.9, 0.999)  # torch.optim.AdamW's default, used by specforge.optimizer
 SPECFORGE_WEIGHT_DECAY = 0.0
+_RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 RUN_ID = "specforge-run"
 ALIGNED_LOSS_MASK_SHIM = "aligned-loss-mask: loss_mask shifted left by two in a copy of the features"
 SHIMS_SCRIPT = Path(__file__).resolve().with_name("specforge_shims.py")  # runs in the subprocess
@@ -251,7 +252,9 @@ def train_specforge(features_dir: Path, draft_config: Path, vocab_mapping: Path,
         dataloader_num_workers=dataloader_num_workers)
     config_path = out_dir / "specforge.yaml"
     config_path.write_text(yaml_dump(config))
-    env = dict(os.environ)
+    # One process: SpecForge's CLI makes its own 1-rank group (gloo/nccl) when these are unset,
+    # and refuses a partial set a parent's torch.distributed run may have left behind.
+    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS_VARS}
     if cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     elif device.startswith("cuda:"):
