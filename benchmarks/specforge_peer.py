@@ -99,6 +99,8 @@ __all__ = [
 
 SPECFORGE_BETAS = (0.9, 0.999)  # torch.optim.AdamW's default, used by specforge.optimizer
 SPECFORGE_WEIGHT_DECAY = 0.0
+_OUR_ENTRIES = {"specforge.yaml", "train", "export", "ordered_features", "aligned_features", "cache",
+                "vocab_mapping.pt", "result.json", "specforge_train.log", "specforge_export.log"}
 _RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 RUN_ID = "specforge-run"
 ALIGNED_LOSS_MASK_SHIM = "aligned-loss-mask: loss_mask shifted left by two in a copy of the features"
@@ -219,8 +221,9 @@ def train_specforge(features_dir: Path, draft_config: Path, vocab_mapping: Path,
     shuffled epochs. ``device``: ``cpu``, ``cuda`` or ``cuda:N``. ``log_interval`` must divide
     ``steps`` (tokens/s comes from SpecForge's per-window step times). ``align_loss_mask``: train
     on copies whose loss mask is shifted so that SpecForge scores hsstore's positions
-    (:func:`aligned_loss_mask_copy`; a data shim, off by default). ``out_dir`` must be empty
-    unless ``overwrite`` (SpecForge would silently resume from a checkpoint left there).
+    (:func:`aligned_loss_mask_copy`; a data shim, off by default). A previous run in ``out_dir``
+    is removed first (SpecForge would silently resume from its checkpoint); other content is
+    refused unless ``overwrite``.
 
     Returns ``export_dir``, ``tokens_per_s`` (real tokens / ``train_seconds``, SpecForge's wall time
     from its first to its last step: reads, compute, optimizer; not its start-up),
@@ -231,11 +234,7 @@ def train_specforge(features_dir: Path, draft_config: Path, vocab_mapping: Path,
     out_dir, target_dir = Path(out_dir).resolve(), Path(target_dir).resolve()
     if steps % log_interval:
         raise SpecForgeRunError(f"log_interval={log_interval} must divide steps={steps}")
-    if out_dir.exists() and any(out_dir.iterdir()):
-        if not overwrite:
-            raise SpecForgeRunError(f"{out_dir} is not empty (SpecForge would resume from it); pass overwrite=True")
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
+    _clear_previous_run(out_dir, overwrite)
     cpu = device == "cpu"
     shims = _shims(cpu, patch_optimizer, betas, weight_decay, min_lr_ratio)
     samples_per_step = batch_size * accumulation_steps
@@ -281,6 +280,18 @@ def train_specforge(features_dir: Path, draft_config: Path, vocab_mapping: Path,
     }
     (out_dir / "result.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def _clear_previous_run(out_dir: Path, overwrite: bool) -> None:
+    """Remove what an earlier ``train_specforge`` left in ``out_dir`` (SpecForge would otherwise
+    resume from its checkpoint); anything else there is refused unless ``overwrite``."""
+    if out_dir.exists():
+        foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in _OUR_ENTRIES)
+        if foreign and not overwrite:
+            raise SpecForgeRunError(f"{out_dir} holds {foreign[:5]}, not a train_specforge run; "
+                                    "pass overwrite=True to replace it")
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
 
 
 def yaml_dump(config: dict[str, Any]) -> str:

@@ -95,6 +95,19 @@ def test_aligned_copy_makes_specforge_score_hsstores_positions(features: Path, t
             assert specforge == hsstore
 
 
+def test_a_previous_run_is_cleared_and_anything_else_refused(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    (run / "train" / "specforge-run-step4").mkdir(parents=True)  # SpecForge would resume from it
+    (run / "specforge.yaml").write_text("old")
+    peer._clear_previous_run(run, overwrite=False)
+    assert run.is_dir() and not any(run.iterdir())
+    (run / "notes.txt").write_text("mine")
+    with pytest.raises(peer.SpecForgeRunError, match=r"holds \['notes.txt'\], not a train_specforge run"):
+        peer._clear_previous_run(run, overwrite=False)
+    peer._clear_previous_run(run, overwrite=True)
+    assert not any(run.iterdir())
+
+
 def test_optimizer_knobs_specforge_lacks_are_refused_unless_patched() -> None:
     with pytest.raises(peer.SpecForgeRunError, match=r"no knob for \['betas', 'min_lr_ratio'\]"):
         peer._shims(False, False, (0.9, 0.95), 0.0, 0.1)
