@@ -9,9 +9,11 @@ then ``specforge export --to hf``, whose directory loads through hsstore's
 excluded, over SpecForge's own per-step wall time: data reads included) and the export's path.
 
 Requirements: ``pip install --no-deps specforge==0.2.0`` (it pins torch 2.11, transformers 5.8.1
-and sglang 0.5.14; the offline path imports none of sglang, and runs on torch 2.11-2.13 and
-transformers 5.x here) plus ``accelerate`` (its ``set_seed``), ``pydantic``, ``pyyaml``,
-``safetensors``, ``huggingface_hub``, ``numpy``, ``tqdm`` and, on CUDA, ``triton`` (its KL kernel).
+and sglang 0.5.14; the offline path imports no sglang, and ran here on torch 2.13 (CPU) and
+transformers 5.24) plus what that path imports: ``accelerate`` (its ``set_seed``), ``datasets``
+(imported by ``specforge/data/utils.py``; with ``dill`` and ``multiprocess``), ``pydantic``,
+``pyyaml``, ``safetensors``, ``huggingface_hub``, ``numpy``, ``tqdm`` and, on CUDA, ``triton``
+(its loss kernel).
 ``benchmarks/specforge_gpu_wheels.sh`` fetches what the GPU image lacks.
 
 What is mapped, and how (hsstore recipe key -> SpecForge config key):
@@ -51,6 +53,12 @@ Shims (only where SpecForge cannot run otherwise; reported in the result's ``shi
 - CPU only, config: ``training.fsdp_sharding=NO_SHARD`` (FSDP refuses the CPU) and
   ``training.attention_backend=sdpa`` (its default ``flex_attention`` is CUDA-only here).
 - ``optimizer`` (opt-in, ``patch_optimizer=True``): see above.
+- ``aligned-loss-mask`` (opt-in data shim, ``align_loss_mask=True``): SpecForge trains on copies
+  whose loss mask is shifted left by two, so that it scores the positions hsstore scores
+  (docs/vs-specforge.md, item 1).
+
+The code shims live in ``benchmarks/specforge_shims.py``, the script the subprocess runs when a
+shim is needed (it applies them, then calls ``specforge.cli.main``).
 
 On CUDA with SpecForge-compatible optimizer knobs nothing is patched: ``python -m specforge.cli``.
 """
@@ -62,6 +70,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -69,129 +78,34 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, however this one is loaded
+from specforge_data import (  # noqa: E402
+    SpecForgeRunError,
+    aligned_loss_mask_copy,
+    feature_files,
+    hsstore_sample_order,
+    ordered_view,
+    sample_lengths,
+    specforge_epoch_order,
+    write_features_from_store,
+    write_vocab_mapping,
+)
+
+__all__ = [
+    "SpecForgeRunError", "aligned_loss_mask_copy", "feature_files", "hsstore_sample_order", "ordered_view",
+    "sample_lengths", "specforge_epoch_order", "train_specforge", "write_features_from_store",
+    "write_vocab_mapping",
+]
+
 SPECFORGE_BETAS = (0.9, 0.999)  # torch.optim.AdamW's default, used by specforge.optimizer
 SPECFORGE_WEIGHT_DECAY = 0.0
+_OUR_ENTRIES = {"specforge.yaml", "train", "export", "ordered_features", "aligned_features", "cache",
+                "vocab_mapping.pt", "result.json", "specforge_train.log", "specforge_export.log"}
+_RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 RUN_ID = "specforge-run"
-_FEATURE_NAME = re.compile(r"^data_(\d+)\.ckpt(\.gz)?$")
+ALIGNED_LOSS_MASK_SHIM = "aligned-loss-mask: loss_mask shifted left by two in a copy of the features"
+SHIMS_SCRIPT = Path(__file__).resolve().with_name("specforge_shims.py")  # runs in the subprocess
 _STEP_LINE = re.compile(r"^step (\d+): (\{.*\})\s*$")
-
-
-class SpecForgeRunError(RuntimeError):
-    """SpecForge's trainer or exporter failed, or its inputs are not what it needs."""
-
-
-def feature_files(features_dir: str | os.PathLike[str]) -> dict[int, Path]:
-    """``{i: path}`` for every ``data_<i>.ckpt`` under ``features_dir`` (SpecForge's layout)."""
-    found: dict[int, Path] = {}
-    for path in sorted(Path(features_dir).rglob("data_*.ckpt*")):
-        match = _FEATURE_NAME.match(path.name)
-        if match is None:
-            continue
-        sample = int(match.group(1))
-        if sample in found:
-            raise SpecForgeRunError(f"{features_dir}: sample {sample} twice ({found[sample]}, {path})")
-        found[sample] = path
-    if not found:
-        raise SpecForgeRunError(f"{features_dir}: no rows_*/data_<i>.ckpt files (SpecForge's offline layout)")
-    return found
-
-
-def sample_lengths(files: dict[int, Path]) -> dict[int, int]:
-    """Tokens per sample, from ``input_ids`` alone (``torch.load`` with ``mmap``: no feature bytes read)."""
-    import torch
-
-    return {i: int(torch.load(p, mmap=True, weights_only=True)["input_ids"].numel()) for i, p in files.items()}
-
-
-def write_vocab_mapping(source: str | os.PathLike[str], path: str | os.PathLike[str]) -> Path:
-    """Write SpecForge's ``{"d2t", "t2d"}`` mapping file from hsstore's draft vocabulary.
-
-    ``source``: an exported draft directory or its ``model.safetensors`` (``d2t`` [draft] int64
-    offsets, ``t2d`` [target] bool: the convention SpecForge uses too), or an existing ``.pt``.
-    """
-    import torch
-    from safetensors.torch import load_file
-
-    source = Path(source)
-    weights = source / "model.safetensors" if source.is_dir() else source
-    tensors = torch.load(weights, weights_only=True) if weights.suffix == ".pt" else load_file(weights)
-    missing = [k for k in ("d2t", "t2d") if k not in tensors]
-    if missing:
-        raise SpecForgeRunError(f"{weights}: no {missing}; export the hsstore draft with `hsstore export`")
-    d2t, t2d = tensors["d2t"].to(torch.int64), tensors["t2d"].to(torch.bool)
-    target_ids = torch.arange(d2t.numel()) + d2t
-    if int(t2d.sum()) != d2t.numel() or not bool(t2d[target_ids].all()):
-        raise SpecForgeRunError(f"{weights}: t2d marks {int(t2d.sum())} ids, not the {d2t.numel()} of d2t")
-    # SpecForge's teacher is softmax(logits[..., t2d]): target-id order must be draft-id order.
-    if not bool((target_ids[1:] > target_ids[:-1]).all()):
-        raise SpecForgeRunError(f"{weights}: draft ids are not sorted by target id, as SpecForge's teacher assumes")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"d2t": d2t, "t2d": t2d}, path)
-    return path
-
-
-def specforge_epoch_order(num_files: int, seed: int, epoch: int) -> list[int]:
-    """Positions in the sorted file list, in the order SpecForge's offline sampler visits them."""
-    from specforge.launch import _distributed_sampler_indices
-
-    return list(_distributed_sampler_indices(num_files, dp_rank=0, dp_size=1, seed=seed, epoch=epoch))
-
-
-def ordered_view(files: dict[int, Path], sample_order: Sequence[int], seed: int, view_dir: Path) -> Path:
-    """Symlinks under ``view_dir`` that SpecForge's epoch 0 (with ``seed``) visits in ``sample_order``."""
-    from specforge.runtime.data_plane.offline_reader import list_feature_files
-
-    unknown = sorted(set(sample_order) - set(files))
-    if unknown:
-        raise SpecForgeRunError(f"sample_order names samples with no data_<i>.ckpt file: {unknown[:10]}")
-    names = [view_dir / f"rows_{p // 5000 * 5000}-{p // 5000 * 5000 + 5000}" / f"data_{p}.ckpt"
-             for p in range(len(sample_order))]
-    names.sort(key=lambda p: str(p.absolute()))  # SpecForge sorts absolute paths as strings
-    for position, sample in zip(specforge_epoch_order(len(names), seed, 0), sample_order, strict=True):
-        link = names[position]
-        link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(files[sample].resolve())
-    if list_feature_files(str(view_dir)) != [str(p.absolute()) for p in names]:
-        raise SpecForgeRunError(f"{view_dir}: SpecForge lists the view's files in another order")
-    return view_dir
-
-
-def hsstore_sample_order(store: Any, *, seed: int, token_budget: int, rows_per_batch: int,
-                         shuffle_window: int, epochs: int, remainder: str = "drop") -> list[int]:
-    """The samples ``hsstore train`` visits (rows flattened, epoch after epoch), for ``sample_order``."""
-    from hsstore.loader import StreamingLoader
-
-    loader = StreamingLoader(store, [], token_budget=token_budget, rows_per_batch=rows_per_batch, seed=seed,
-                             shuffle_window=shuffle_window, remainder=remainder, long_samples="truncate")
-    return [int(s) for e in range(epochs) for batch in loader.plan(e).batches for row in batch for s in row]
-
-
-def write_features_from_store(store: Any, out_dir: str | os.PathLike[str], limit: int | None = None) -> Path:
-    """SpecForge's offline files from an hsstore store, sample ``i`` as ``data_<i>.ckpt``.
-
-    A stand-in for ``hsstore export-features --format specforge`` in tests: the aux states
-    ``[T, A, H]`` become ``[1, T, A*H]`` (layers concatenated in the store's order), the post-norm
-    final state ``[1, T, H]``, the loss mask int64; the bits are the store's.
-    """
-    import torch
-
-    import hsstore
-
-    store = hsstore.open_store(store) if isinstance(store, (str, os.PathLike)) else store
-    out = Path(out_dir)
-    for i in range(store.num_samples if limit is None else min(limit, store.num_samples)):
-        sample = store.read_sample(i)
-        aux = sample["aux_hidden_states"]
-        rows = out / f"rows_{i // 5000 * 5000}-{i // 5000 * 5000 + 5000}"
-        rows.mkdir(parents=True, exist_ok=True)
-        torch.save({
-            "input_ids": sample["input_ids"].to(torch.int64),
-            "loss_mask": sample["loss_mask"].to(torch.int64),
-            "hidden_state": sample["final_hidden_state"].unsqueeze(0).contiguous(),
-            "aux_hidden_state": aux.reshape(1, aux.shape[0], -1).contiguous(),
-        }, rows / f"data_{i}.ckpt")
-    return out
 
 
 def specforge_config(*, features_dir: Path, draft_config: Path, vocab_mapping: Path, target_dir: Path,
@@ -297,14 +211,19 @@ def train_specforge(features_dir: Path, draft_config: Path, vocab_mapping: Path,
                     weight_decay: float = SPECFORGE_WEIGHT_DECAY, accumulation_steps: int = 1,
                     sample_order: Sequence[int] | None = None, patch_optimizer: bool = False,
                     attention_backend: str | None = None, log_interval: int = 1,
-                    dataloader_num_workers: int | None = None) -> dict[str, Any]:
+                    dataloader_num_workers: int | None = None, align_loss_mask: bool = False,
+                    overwrite: bool = False) -> dict[str, Any]:
     """Train with ``specforge train`` in a subprocess, export with ``specforge export --to hf``.
 
     ``vocab_mapping``: hsstore's exported draft (dir or safetensors, its ``d2t``/``t2d``) or a
     SpecForge ``.pt`` mapping. ``sample_order``: sample ids to train on, in order (one epoch of
     SpecForge; at least ``steps * batch_size * accumulation_steps`` of them); None: SpecForge's own
     shuffled epochs. ``device``: ``cpu``, ``cuda`` or ``cuda:N``. ``log_interval`` must divide
-    ``steps`` (tokens/s comes from SpecForge's per-window step times).
+    ``steps`` (tokens/s comes from SpecForge's per-window step times). ``align_loss_mask``: train
+    on copies whose loss mask is shifted so that SpecForge scores hsstore's positions
+    (:func:`aligned_loss_mask_copy`; a data shim, off by default). A previous run in ``out_dir``
+    is removed first (SpecForge would silently resume from its checkpoint); other content is
+    refused unless ``overwrite``.
 
     Returns ``export_dir``, ``tokens_per_s`` (real tokens / ``train_seconds``, SpecForge's wall time
     from its first to its last step: reads, compute, optimizer; not its start-up),
@@ -315,70 +234,104 @@ def train_specforge(features_dir: Path, draft_config: Path, vocab_mapping: Path,
     out_dir, target_dir = Path(out_dir).resolve(), Path(target_dir).resolve()
     if steps % log_interval:
         raise SpecForgeRunError(f"log_interval={log_interval} must divide steps={steps}")
+    _clear_previous_run(out_dir, overwrite)
     cpu = device == "cpu"
     shims = _shims(cpu, patch_optimizer, betas, weight_decay, min_lr_ratio)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    files = feature_files(features_dir)
     samples_per_step = batch_size * accumulation_steps
-    if sample_order is not None:
-        if len(sample_order) < steps * samples_per_step:
-            raise SpecForgeRunError(f"sample_order has {len(sample_order)} samples; {steps} steps of "
-                                    f"{samples_per_step} need {steps * samples_per_step}")
-        sample_order = list(sample_order)[: steps * samples_per_step]
-        features_dir = ordered_view(files, sample_order, seed, out_dir / "ordered_features")
-        num_epochs = 1
-    else:
-        per_epoch = len(files) // batch_size // accumulation_steps
-        if per_epoch == 0:
-            raise SpecForgeRunError(f"{len(files)} samples make no step of {samples_per_step}")
-        num_epochs = math.ceil(steps / per_epoch)
-    mapping = Path(vocab_mapping)
-    if mapping.suffix != ".pt":
-        mapping = write_vocab_mapping(mapping, out_dir / "vocab_mapping.pt")
+    files, features_dir, sample_order, num_epochs = _training_files(
+        Path(features_dir), out_dir, sample_order, seed=seed, steps=steps, batch_size=batch_size,
+        samples_per_step=samples_per_step, align_loss_mask=align_loss_mask)
+    mapping = write_vocab_mapping(vocab_mapping, out_dir / "vocab_mapping.pt")
     config = specforge_config(
-        features_dir=Path(features_dir).resolve(), draft_config=Path(draft_config).resolve(),
-        vocab_mapping=mapping.resolve(), target_dir=target_dir, out_dir=out_dir, steps=steps,
-        num_epochs=num_epochs, lr=lr, warmup_steps=warmup_steps, ttt_length=ttt_length, max_len=max_len,
-        batch_size=batch_size, accumulation_steps=accumulation_steps, seed=seed, grad_clip=grad_clip, cpu=cpu,
+        features_dir=features_dir.resolve(), draft_config=Path(draft_config).resolve(), vocab_mapping=mapping,
+        target_dir=target_dir, out_dir=out_dir, steps=steps, num_epochs=num_epochs, lr=lr,
+        warmup_steps=warmup_steps, ttt_length=ttt_length, max_len=max_len, batch_size=batch_size,
+        accumulation_steps=accumulation_steps, seed=seed, grad_clip=grad_clip, cpu=cpu,
         attention_backend=attention_backend, log_interval=log_interval,
         dataloader_num_workers=dataloader_num_workers)
     config_path = out_dir / "specforge.yaml"
-    import yaml
-
-    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    env = dict(os.environ)
+    config_path.write_text(yaml_dump(config))
+    # One process: SpecForge's CLI makes its own 1-rank group (gloo/nccl) when these are unset,
+    # and refuses a partial set a parent's torch.distributed run may have left behind.
+    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS_VARS}
     if cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     elif device.startswith("cuda:"):
         env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
-    train_cmd = ([sys.executable, str(Path(__file__).resolve()), "--shims", json.dumps(shims)] if shims
+    train_cmd = ([sys.executable, str(SHIMS_SCRIPT), "--shims", json.dumps(shims)] if shims
                  else [sys.executable, "-m", "specforge.cli"]) + ["train", "-c", str(config_path)]
     wall_seconds = _run(train_cmd, out_dir / "specforge_train.log", env, out_dir)
     metrics = parse_step_metrics((out_dir / "specforge_train.log").read_text(errors="replace"))
     if not metrics or metrics[-1][0] != steps:
         raise SpecForgeRunError(f"{out_dir / 'specforge_train.log'}: logged steps {[s for s, _ in metrics]}, "
                                 f"expected up to {steps}")
-    export_dir = _export(out_dir, steps, Path(draft_config).resolve(), mapping.resolve(), target_dir, env)
+    export_dir = _export(out_dir, steps, Path(draft_config).resolve(), mapping, target_dir, env)
     tokens = _consumed_tokens(files, sample_lengths(files), sample_order, seed=seed,
                               samples_per_step=samples_per_step, batch_size=batch_size, steps=steps,
                               max_len=max_len)
-    window_s = [m["perf/optimizer_step_time_s"] * log_interval for _, m in metrics]
-    window_tokens = [sum(tokens[s - log_interval:s]) for s, _ in metrics]
-    steady_s, steady_tokens = sum(window_s[1:]), sum(window_tokens[1:])
-    final = metrics[-1][1]
     result = {
-        "export_dir": str(export_dir), "steps": steps, "num_tokens": sum(tokens),
-        "train_seconds": sum(window_s), "wall_seconds": wall_seconds,
-        "tokens_per_s": sum(tokens) / sum(window_s),
-        "steady_tokens_per_s": steady_tokens / steady_s if steady_s > 0 else None,
-        "final_loss": float(final["loss"]),
-        "final_acc": [float(final[f"acc_{i}"]) for i in range(ttt_length)],
+        "export_dir": str(export_dir), "wall_seconds": wall_seconds, "config": str(config_path),
+        **_throughput(metrics, tokens, log_interval),
+        "final_loss": float(metrics[-1][1]["loss"]),
+        "final_acc": [float(metrics[-1][1][f"acc_{i}"]) for i in range(ttt_length)],
         "metrics": [{"step": s, **m} for s, m in metrics],
-        "shims": sorted(shims) + (["config: fsdp_sharding=NO_SHARD, attention_backend=sdpa"] if cpu else []),
-        "config": str(config_path),
+        "shims": sorted(shims) + ([ALIGNED_LOSS_MASK_SHIM] if align_loss_mask else [])
+        + (["config: fsdp_sharding=NO_SHARD, attention_backend=sdpa"] if cpu else []),
     }
     (out_dir / "result.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def _clear_previous_run(out_dir: Path, overwrite: bool) -> None:
+    """Remove what an earlier ``train_specforge`` left in ``out_dir`` (SpecForge would otherwise
+    resume from its checkpoint); anything else there is refused unless ``overwrite``."""
+    if out_dir.exists():
+        foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in _OUR_ENTRIES)
+        if foreign and not overwrite:
+            raise SpecForgeRunError(f"{out_dir} holds {foreign[:5]}, not a train_specforge run; "
+                                    "pass overwrite=True to replace it")
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+
+
+def yaml_dump(config: dict[str, Any]) -> str:
+    import yaml
+
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+def _training_files(features_dir: Path, out_dir: Path, sample_order: Sequence[int] | None, *, seed: int,
+                    steps: int, batch_size: int, samples_per_step: int, align_loss_mask: bool,
+                    ) -> tuple[dict[int, Path], Path, list[int] | None, int]:
+    """``(files, the directory SpecForge reads, the order trained, epochs)``: the features as given,
+    or their loss-mask-aligned copies, seen through an ordered view when an order is given."""
+    files = feature_files(features_dir)
+    if align_loss_mask:
+        files = aligned_loss_mask_copy(files, list(sample_order or files), out_dir / "aligned_features")
+        features_dir = out_dir / "aligned_features"
+    if sample_order is None:
+        per_epoch = len(files) // samples_per_step
+        if per_epoch == 0:
+            raise SpecForgeRunError(f"{len(files)} samples make no step of {samples_per_step}")
+        return files, features_dir, None, math.ceil(steps / per_epoch)
+    if len(sample_order) < steps * samples_per_step:
+        raise SpecForgeRunError(f"sample_order has {len(sample_order)} samples; {steps} steps of "
+                                f"{samples_per_step} need {steps * samples_per_step}")
+    order = list(sample_order)[: steps * samples_per_step]
+    return files, ordered_view(files, order, seed, out_dir / "ordered_features"), order, 1
+
+
+def _throughput(metrics: list[tuple[int, dict[str, Any]]], tokens: list[int], log_interval: int) -> dict[str, Any]:
+    """Tokens/s over SpecForge's logged windows (``perf/optimizer_step_time_s`` is a window's wall
+    time per step), overall and without the first window (compilation, warm-up)."""
+    window_s = [m["perf/optimizer_step_time_s"] * log_interval for _, m in metrics]
+    window_tokens = [sum(tokens[s - log_interval:s]) for s, _ in metrics]
+    steady_s, steady_tokens = sum(window_s[1:]), sum(window_tokens[1:])
+    return {
+        "steps": metrics[-1][0], "num_tokens": sum(tokens), "train_seconds": sum(window_s),
+        "tokens_per_s": sum(tokens) / sum(window_s),
+        "steady_tokens_per_s": steady_tokens / steady_s if steady_s > 0 else None,
+    }
 
 
 def _export(out_dir: Path, steps: int, draft_config: Path, mapping: Path, target_dir: Path,
@@ -393,63 +346,3 @@ def _export(out_dir: Path, steps: int, draft_config: Path, mapping: Path, target
            "--vocab-mapping", str(mapping), "--embedding-source", str(target_dir)]
     _run(cmd, out_dir / "specforge_export.log", env, out_dir)
     return export_dir
-
-
-# -- inside the subprocess: the shims, then SpecForge's own CLI ---------------------------------
-
-
-def _install_cpu_loss() -> None:
-    """Replace ``specforge.core.loss`` (Triton) with an eager function of the same value and gradient."""
-    import types
-
-    import specforge.core
-    import torch
-
-    class LogSoftmaxLoss:
-        @staticmethod
-        def apply(logits: torch.Tensor, target: torch.Tensor, position_mask: torch.Tensor) -> torch.Tensor:
-            batch, length, _ = logits.shape
-            log_q = torch.log_softmax(logits.float(), dim=-1)
-            per_position = -(target.float() * log_q).sum(-1) * position_mask.reshape(batch, length).float()
-            return per_position.mean()  # over all B*T positions, masked ones included, as the kernel
-
-    module = types.ModuleType("specforge.core.loss")
-    module.LogSoftmaxLoss = LogSoftmaxLoss
-    sys.modules["specforge.core.loss"] = module
-    specforge.core.loss = module
-
-
-def _install_optimizer(betas: Sequence[float], weight_decay: float, min_lr_ratio: float) -> None:
-    """Give SpecForge's ``BF16Optimizer`` hsstore's AdamW betas, weight decay and final LR."""
-    import specforge.optimizer as opt
-    from torch.optim.lr_scheduler import CosineAnnealingLR
-
-    original = opt.BF16Optimizer.__init__
-
-    def patched(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        for group in self.optimizer.param_groups:
-            group["betas"], group["weight_decay"] = tuple(betas), weight_decay
-        after = getattr(self.scheduler, "after_scheduler", None)
-        if isinstance(after, CosineAnnealingLR):
-            after.eta_min = min_lr_ratio * self.optimizer.param_groups[0]["initial_lr"]
-
-    opt.BF16Optimizer.__init__ = patched
-
-
-def _main(argv: list[str]) -> int:
-    """``specforge_peer.py --shims JSON train -c CONFIG``: apply the shims, run SpecForge's CLI."""
-    if argv[:1] != ["--shims"]:
-        raise SystemExit("usage: specforge_peer.py --shims JSON <specforge CLI arguments>")
-    shims = json.loads(argv[1])
-    if shims.get("cpu-loss"):
-        _install_cpu_loss()
-    if "optimizer" in shims:
-        _install_optimizer(**shims["optimizer"])
-    from specforge.cli import main
-
-    return main(argv[2:])
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main(sys.argv[1:]))
