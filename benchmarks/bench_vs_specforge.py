@@ -30,10 +30,14 @@ not import); its other imports are listed in that module's docstring.
 
 from __future__ import annotations
 
+import os
+
+# Before torch loads (see pipelines/cli.py, OPENMP_DEFAULTS); SpecForge's subprocess inherits it too.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import argparse
 import hashlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -254,9 +258,8 @@ def stage_prepare(args: argparse.Namespace) -> dict[str, Any]:
     visit the same samples in the same order for ``--epochs`` epochs (SpecForge one sample per
     step, hsstore packed rows of ``--token-budget`` tokens), so they see the same data; the steps
     differ by the packing."""
-    from benchmarks.specforge_peer import hsstore_sample_order
-
     import hsstore
+    from benchmarks.specforge_peer import hsstore_sample_order
     from pipelines.export.features import export_features
 
     paths = reference_paths(args)
@@ -359,6 +362,8 @@ def stage_decode(args: argparse.Namespace) -> None:
     _, prompts = default_data(args)
     for result_file in sorted(paths["work"].glob("train-*-*.json")):
         result = json.loads(result_file.read_text())
+        if result["seed"] not in args.seeds:  # --seeds splits the drafts between processes
+            continue
         if args.draft_root:  # drafts brought back from another machine
             result["export_dir"] = str(Path(args.draft_root) / Path(result["export_dir"]).name)
         if "al_tree_t0" in result and not args.redo:
@@ -402,31 +407,40 @@ QWEN3_8B = dict(  # Qwen/Qwen3-8B config.json
     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
     rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
 )
+# The same code path at a size a CPU runs in seconds (the smoke test's); the draft vocabulary
+# keeps the 8B run's quarter-ish share of the target's.
+TINY_SHAPE = dict(QWEN3_8B, vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+SHAPES = {"qwen3-8b": (QWEN3_8B, 32000), "tiny": (TINY_SHAPE, 1024)}
 
 
-def random_heads_target(workdir: Path) -> Path:
+def random_heads_target(workdir: Path, shape: dict[str, Any]) -> Path:
     """A Qwen3-8B-shaped target directory holding only what both trainers read of it: its config,
     and random bf16 embed_tokens, final norm and lm_head (the transformer stack is never loaded)."""
     import torch
     from safetensors.torch import save_file
     from transformers import Qwen3Config
 
-    target = workdir / "qwen3-8b-heads"
+    target = workdir / f"heads-{shape['hidden_size']}"
     if (target / "model.safetensors").exists():
         return target
     target.mkdir(parents=True, exist_ok=True)
-    Qwen3Config(**QWEN3_8B, architectures=["Qwen3ForCausalLM"]).save_pretrained(target)
+    Qwen3Config(**shape, architectures=["Qwen3ForCausalLM"]).save_pretrained(target)
     gen = torch.Generator().manual_seed(0)
-    shape = (QWEN3_8B["vocab_size"], QWEN3_8B["hidden_size"])
-    save_file({
-        "model.embed_tokens.weight": (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16),
-        "model.norm.weight": torch.ones(QWEN3_8B["hidden_size"], dtype=torch.bfloat16),
-        "lm_head.weight": (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16),
-    }, str(target / "model.safetensors"))
+    matrix = (shape["vocab_size"], shape["hidden_size"])
+    tensors = {
+        "model.embed_tokens.weight": (torch.randn(matrix, generator=gen) * 0.02).to(torch.bfloat16),
+        "model.norm.weight": torch.ones(shape["hidden_size"], dtype=torch.bfloat16),
+        "lm_head.weight": (torch.randn(matrix, generator=gen) * 0.02).to(torch.bfloat16),
+    }
+    save_file(tensors, str(target / "model.safetensors"))
+    # SpecForge's target head finds its tensors through the index that sharded checkpoints carry.
+    index = {"metadata": {}, "weight_map": {name: "model.safetensors" for name in tensors}}
+    (target / "model.safetensors.index.json").write_text(json.dumps(index))
     return target
 
 
-def random_store(store: Path, target: Path, num_samples: int, length: int) -> str:
+def random_store(store: Path, target: Path, shape: dict[str, Any], num_samples: int, length: int) -> str:
     """Random bf16 features of the 8B shape, every position in the loss mask: the same bytes go to
     both trainers (hsstore streams the store, SpecForge reads the exported files)."""
     import numpy as np
@@ -437,7 +451,7 @@ def random_store(store: Path, target: Path, num_samples: int, length: int) -> st
 
     if (store / "manifest.json").exists():
         return str(store)
-    hidden, layers = QWEN3_8B["hidden_size"], QWEN3_8B["num_hidden_layers"]
+    hidden, layers = shape["hidden_size"], shape["num_hidden_layers"]
     aux = [2, layers // 2, layers - 3]
     found = ti.target_identity(target)
     lineage = hsstore.Lineage(
@@ -455,7 +469,7 @@ def random_store(store: Path, target: Path, num_samples: int, length: int) -> st
     gen = torch.Generator(device=device).manual_seed(0)
     with hsstore.StoreWriter(str(store), specs, lineage, shard_max_tokens=1 << 16) as writer:
         for i in range(num_samples):
-            ids = torch.randint(0, QWEN3_8B["vocab_size"], (length,), generator=gen, device=device)
+            ids = torch.randint(0, shape["vocab_size"], (length,), generator=gen, device=device)
             features = {
                 "aux_hidden_states": torch.randn(length, len(aux), hidden, generator=gen, device=device).to(torch.bfloat16).cpu(),
                 "final_hidden_state": torch.randn(length, hidden, generator=gen, device=device).to(torch.bfloat16).cpu(),
@@ -480,7 +494,6 @@ def steady_tokens_per_s(metrics: Path, skip_steps: int) -> float:
 
 def run_speed(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.specforge_peer import train_specforge
-
     from pipelines.export.features import export_features
 
     work = Path(args.workdir)
@@ -488,8 +501,9 @@ def run_speed(args: argparse.Namespace) -> dict[str, Any]:
     length = args.token_budget
     num_samples = args.steps + 2
     t0 = time.perf_counter()
-    target = random_heads_target(work)
-    store = random_store(work / "store-8b", target, num_samples, length)
+    shape, draft_vocab = SHAPES[args.shape]
+    target = random_heads_target(work, shape)
+    store = random_store(work / "store-8b", target, shape, num_samples, length)
     features = work / "specforge-features-8b"
     if not (features / "hsstore-export.json").exists():
         export_features(store, features, "specforge", overwrite=True)
@@ -497,15 +511,17 @@ def run_speed(args: argparse.Namespace) -> dict[str, Any]:
     hp = hyperparameters(args, args.steps)
     hp["lr"] = 1e-4
     warm = max(5, args.steps // 4)
-    ours = train_hsstore_8b(store, target, work / "hsstore-8b", hp, args)
+    ours = train_hsstore_8b(store, target, work / "hsstore-8b", hp, args, draft_vocab)
     ours_tps = steady_tokens_per_s(work / "hsstore-8b" / "metrics.jsonl", warm)
     export = export_eagle3(work / "hsstore-8b", work / "hsstore-8b-export")
     theirs = train_specforge(
         features, export / "config.json", export, target, work / "specforge-8b",
         steps=hp["steps"], lr=hp["lr"], warmup_steps=hp["warmup_steps"], min_lr_ratio=0.0,
         ttt_length=7, max_len=length, batch_size=1, seed=0, device=args.device,
-        grad_clip=hp["grad_clip"], betas=(0.9, 0.999), weight_decay=0.0, log_interval=log_interval(hp["steps"]),
+        grad_clip=hp["grad_clip"], betas=(0.9, 0.999), weight_decay=0.0, log_interval=5 if hp["steps"] % 5 == 0 else 1,
     )
+    if theirs.get("steady_tokens_per_s") is None:  # a single logged window: nothing to leave out
+        theirs["steady_tokens_per_s"] = theirs["tokens_per_s"]
     return {
         "hsstore_tokens_per_s": ours_tps,
         "specforge_tokens_per_s": theirs["steady_tokens_per_s"],
@@ -520,7 +536,7 @@ def run_speed(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def train_hsstore_8b(store: str, target: Path, out: Path, hp: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def train_hsstore_8b(store: str, target: Path, out: Path, hp: dict[str, Any], args: argparse.Namespace, draft_vocab: int) -> dict[str, Any]:
     from pipelines.recipe import build_recipe
     from pipelines.train.config import TrainRecipe
     from pipelines.train.trainer import run_training
@@ -529,7 +545,7 @@ def train_hsstore_8b(store: str, target: Path, out: Path, hp: dict[str, Any], ar
         TrainRecipe,
         {
             "store": store, "target": str(target), "output_dir": str(out), "max_steps": hp["steps"],
-            "draft": {"vocab": {"draft_vocab_size": 32000}}, "ttt_length": 7,
+            "draft": {"vocab": {"draft_vocab_size": draft_vocab}}, "ttt_length": 7,
             "optimizer": {"lr": hp["lr"], "betas": [0.9, 0.999], "weight_decay": 0.0, "grad_clip": hp["grad_clip"]},
             "schedule": {"warmup_steps": hp["warmup_steps"], "min_lr_ratio": 0.0},
             "loader": {"token_budget": args.token_budget, "rows_per_batch": 1},
@@ -568,6 +584,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-device", default=None, help="where drafts are evaluated (default: --device)")
     parser.add_argument("--epochs", type=int, default=2, help="reference: passes over the training store")
     parser.add_argument("--steps", type=int, default=40, help="qwen3-8b: optimizer steps of each trainer")
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="qwen3-8b", help="qwen3-8b mode: tiny for a CPU smoke run")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--token-budget", type=int, default=2048, help="hsstore's tokens per packed row (8B: per sample)")

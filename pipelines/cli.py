@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -50,7 +51,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# OpenMP threads that spin while they wait starve every other thread of the process on a small CPU:
+# the loader's read threads, Ray's, a second process. A 2-core VM trained the draft 30x slower
+# (~80 vs ~2,300 tokens/s, benchmarks/LOG.md) with torch's 2 threads spinning. Set before torch
+# loads its OpenMP runtime (the handlers import torch); a value the user set wins.
+OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    for key, value in OPENMP_DEFAULTS.items():
+        os.environ.setdefault(key, value)
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

@@ -3,6 +3,12 @@ for the whole test session. Paths and store builders live in tests/factories.py.
 
 from __future__ import annotations
 
+import os
+
+# As the CLI does (pipelines/cli.py, OPENMP_DEFAULTS): torch's OpenMP threads must not spin while the
+# loader's threads, Ray's workers or xdist's other processes need the same 2 cores. Before torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import shutil
 from collections.abc import Iterator
 from pathlib import Path

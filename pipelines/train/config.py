@@ -155,6 +155,14 @@ class TrainRecipe(RecipeModel):
     candidate_head: CandidateHeadConfig = Field(default_factory=CandidateHeadConfig)
     ttt_length: int = Field(default=7, gt=0, description="training-time-test unroll depth")
     loss_decay: float = Field(default=0.8, gt=0, le=1, description="weight decay^i of depth i's loss")
+    loss_normalization: Literal["scored", "tokens"] = Field(
+        default="scored",
+        description=(
+            "what each depth's summed loss is divided by: the positions it scores in the step "
+            "(every step weighs the same) or the step's real tokens (every scored token weighs the "
+            "same across steps, as SpecForge's B*T mean; docs/training.md)"
+        ),
+    )
     teacher: Literal["auto", "final_hidden", "topk", "draft_probs"] = Field(
         default="auto", description="which stored target distribution to learn from (auto: the best present)"
     )

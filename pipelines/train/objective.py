@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -117,6 +118,26 @@ class CandidateObjective(nn.Module):
         masks = ttt_step_masks(loss_mask_BT, doc_remaining_from_ids(doc_ids_BT), None, self.ttt_length)
         out = candidate_step_loss(self.draft, hidden, masks, self.num_candidates)
         return ObjectiveOutput(out.step_kl_sums, out.step_counts, out.step_hits)
+
+
+def loss_denominators(
+    normalization: str, global_counts: torch.Tensor, num_real_tokens: int, dist_state: Any
+) -> torch.Tensor:
+    """What each depth's loss sum is divided by (``TrainRecipe.loss_normalization``).
+
+    ``scored``: the positions that depth scores over all ranks, so every step weighs the same and
+    a step with few scored tokens gives each of them a large weight. ``tokens``: the step's real
+    tokens over all ranks, the same for every depth, so every scored token weighs the same
+    whatever else its step holds (SpecForge's mean over all ``B*T`` positions, without counting
+    padding)."""
+    if normalization == "scored":
+        return global_counts
+    if normalization != "tokens":
+        raise ValueError(f"loss_normalization must be 'scored' or 'tokens', not {normalization!r}")
+    from pipelines.train.distributed import all_reduce_
+
+    real = torch.tensor([float(num_real_tokens)], dtype=torch.float64, device=global_counts.device)
+    return all_reduce_(real, dist_state).expand_as(global_counts)
 
 
 def objective_loss(

@@ -53,7 +53,13 @@ from pipelines.train.distributed import (  # noqa: F401  (re-exported: earlier i
 )
 from pipelines.train.lineage_check import TEACHER_FEATURES, check_lineage, choose_teacher
 from pipelines.train.metrics import MetricsWindow, append_record, summary_text
-from pipelines.train.objective import AUX, CandidateObjective, DraftObjective, objective_loss
+from pipelines.train.objective import (
+    AUX,
+    CandidateObjective,
+    DraftObjective,
+    loss_denominators,
+    objective_loss,
+)
 from pipelines.train.target_heads import TargetHeads, load_target_heads
 from pipelines.train.teacher import FINAL_HIDDEN, TeacherHead
 from pipelines.train.vocab import (
@@ -356,7 +362,8 @@ def _run(recipe: TrainRecipe, dist_state: Distributed, device: torch.device, sto
                     with autocast:
                         out = model(batch.features, batch.input_ids, batch.position_ids, batch.loss_mask, batch.doc_ids)
                     counts = all_reduce_(torch.stack(out.counts).to(torch.float64), dist_state)
-                    loss = objective_loss(out, counts, recipe.loss_decay, recipe.stage != "draft", dist_state.world_size)
+                    denominators = loss_denominators(recipe.loss_normalization, counts, batch.num_real_tokens, dist_state)
+                    loss = objective_loss(out, denominators, recipe.loss_decay, recipe.stage != "draft", dist_state.world_size)
                     (loss / accum).backward()
                 window.add_micro_batch(loss / dist_state.world_size, out, batch.num_real_tokens,
                                        batch.num_padding_tokens, timer.last_wait)

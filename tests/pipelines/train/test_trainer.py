@@ -202,3 +202,30 @@ def test_init_from_a_pretrained_draft(stage1: tuple[Path, dict[str, Any]], refer
     stage1_metrics = read_metrics(stage1_dir)
     assert first["loss"] < stage1_metrics[0]["loss"] - 2.0
     assert first["acc"][0] > stage1_metrics[0]["acc"][0] + 0.05
+
+
+def test_loss_normalization_tokens(reference_store: str, tmp_path: Path) -> None:
+    """``loss_normalization: tokens`` divides every depth's sum by the step's real tokens: from the
+    same initial draft and first batch, step 1's loss is the scored-normalised one rescaled depth
+    by depth (scored positions / real tokens), so it is smaller wherever positions go unscored."""
+    import torch
+
+    from pipelines.train.distributed import Distributed
+    from pipelines.train.objective import ObjectiveOutput, loss_denominators, objective_loss
+
+    counts = torch.tensor([6.0, 5.0, 4.0], dtype=torch.float64)
+    single = Distributed(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    assert torch.equal(loss_denominators("scored", counts, 10, single), counts)
+    assert loss_denominators("tokens", counts, 10, single).tolist() == [10.0, 10.0, 10.0]
+    out = ObjectiveOutput([torch.tensor(6.0), torch.tensor(5.0), torch.tensor(4.0)], list(counts), [])
+    assert float(objective_loss(out, loss_denominators("scored", counts, 10, single), 0.5, False)) == 1.75
+    assert float(objective_loss(out, loss_denominators("tokens", counts, 10, single), 0.5, False)) == pytest.approx(0.6 + 0.25 + 0.1)
+
+    first = {}
+    for mode in ("scored", "tokens"):
+        run_training(small_recipe(reference_store, tmp_path / mode, max_steps=1, loss_normalization=mode))
+        first[mode] = read_metrics(tmp_path / mode)[0]
+    scored, tokens = first["scored"], first["tokens"]
+    assert scored["positions"] == tokens["positions"] and scored["tokens"] == tokens["tokens"]
+    assert tokens["loss"] < scored["loss"]
+    assert max(scored["positions"]) <= scored["tokens"]
