@@ -145,7 +145,6 @@ class BatchGenerator:
         new_tokens = torch.full(
             (batch_size, int(limits.max())), -1, dtype=torch.long, device=self.device
         )
-        finish = [FINISH_LENGTH] * batch_size
         cache = DynamicCache(config=self.model.config)
         logits = self.model(
             input_ids=input_ids,
@@ -159,14 +158,13 @@ class BatchGenerator:
         step = 0
         while True:
             next_ids = choose_next(logits, self.params, generators)
-            new_tokens[rows[alive], step] = next_ids[alive]
+            # torch.where, not boolean indexing: that would sync the host with the device.
+            new_tokens[rows, step] = torch.where(alive, next_ids, new_tokens[rows, step])
             stopped = alive & torch.isin(next_ids, self.stop_ids)
             ended = stopped | (alive & (limits[rows] <= step + 1))
             alive &= ~ended
             step += 1
-            for live in stopped.nonzero().flatten().tolist():
-                finish[int(rows[live])] = FINISH_STOP
-            num_alive = int(alive.sum())
+            num_alive = int(alive.sum())  # the step's one host sync
             if num_alive == 0:
                 break
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(rows), 1))], dim=1)
@@ -185,18 +183,25 @@ class BatchGenerator:
                 use_cache=True,
                 **{self._cache_kwarg: cache},
             ).logits[:, -1]
-        return self._collect(new_tokens, finish)
+        return self._collect(new_tokens)
 
-    def _collect(self, new_tokens: torch.Tensor, finish: list[str]) -> tuple[list[list[int]], list[str]]:
+    def _collect(self, new_tokens: torch.Tensor) -> tuple[list[list[int]], list[str]]:
+        """Each row up to its stop token (not text) or its last written token (-1 after it)."""
         stop_set = set(self.stop_ids.tolist())
         out: list[list[int]] = []
+        finish: list[str] = []
         for row in new_tokens.tolist():
             ids: list[int] = []
+            reason = FINISH_LENGTH
             for token in row:
-                if token < 0 or token in stop_set:
-                    break  # -1: never written (the row had ended); a stop token is not text
+                if token < 0:
+                    break
+                if token in stop_set:
+                    reason = FINISH_STOP
+                    break
                 ids.append(token)
             out.append(ids)
+            finish.append(reason)
         return out, finish
 
     def _generator(self, seed: int) -> torch.Generator:
