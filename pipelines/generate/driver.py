@@ -57,12 +57,12 @@ def run_generation(
 
     wall_start = time.perf_counter()
     target_dir = resolve_target(recipe.target, recipe.model.revision)
-    tokenizer_dir = recipe.prompts.tokenizer or target_dir
+    tokenizer_dir = recipe.prompting.tokenizer or target_dir
     tokenizer = AutoTokenizer.from_pretrained(
         tokenizer_dir, trust_remote_code=recipe.model.trust_remote_code
     )
     config = text_config(read_config(target_dir))
-    max_context = recipe.prompts.max_context or int(config.get("max_position_embeddings") or 4096)
+    max_context = recipe.prompting.max_context or int(config.get("max_position_embeddings") or 4096)
     stop_ids = stop_token_ids(target_dir, tokenizer, recipe.sampling.stop_token_ids)
     lineage = build_lineage(recipe, target_dir, tokenizer_dir, tokenizer, max_context, stop_ids)
     location = StoreLocation(recipe.output)
@@ -155,9 +155,9 @@ def build_lineage(
         served_model=(recipe.openai.model or recipe.target) if recipe.backend == "openai" else None,
         tokenizer_sha256=tokenizer_sha256(tokenizer_dir),
         chat_template_sha256=chat_template_sha256(getattr(tokenizer, "chat_template", None)),
-        chat_template_kwargs=dict(recipe.prompts.chat_template_kwargs),
+        chat_template_kwargs=dict(recipe.prompting.chat_template_kwargs),
         sampling=sampling,
-        text_prefix_tokens=recipe.prompts.text_prefix_tokens,
+        text_prefix_tokens=recipe.prompting.text_prefix_tokens,
         max_context=max_context,
         source_fingerprint=data_fingerprint(recipe),  # type: ignore[arg-type] - reads data, limit
         code_version=CODE_VERSION,

@@ -17,7 +17,7 @@ from pipelines.extract.recipe import ModelSection, RaySection
 from pipelines.recipe import RecipeModel
 
 
-class PromptsSection(RecipeModel):
+class PromptingSection(RecipeModel):
     """How records become prompts (docs/generate.md, 'What is regenerated')."""
 
     text_prefix_tokens: int = Field(
@@ -128,7 +128,7 @@ class GenerateRecipe(RecipeModel):
         "local", description="transformers backend: ray (one actor per GPU) or local (in process)"
     )
     model: ModelSection = Field(default_factory=ModelSection)
-    prompts: PromptsSection = Field(default_factory=PromptsSection)
+    prompting: PromptingSection = Field(default_factory=PromptingSection)
     sampling: SamplingSection = Field(default_factory=SamplingSection)
     batching: BatchingSection = Field(default_factory=BatchingSection)
     units: UnitsSection = Field(default_factory=UnitsSection)

@@ -10,7 +10,7 @@ standard library and the packages in its site-packages. Each file gives one reco
   ``You are a Python coding assistant.`` and the user turn ``Continue this Python file:\\n`` plus
   the file's text up to a line boundary (no assistant turn: generate adds the target's answer);
 - a raw prefix, ``{"text": ...}``: the file's text from a line boundary on (generate continues its
-  first ``prompts.text_prefix_tokens`` tokens).
+  first ``prompting.text_prefix_tokens`` tokens).
 
 Never used, counted by reason in the summary:
 

@@ -75,11 +75,11 @@ class GenerationWorker:
         )
         self.builder = PromptBuilder(
             self.tokenizer,
-            text_prefix_tokens=recipe.prompts.text_prefix_tokens,
+            text_prefix_tokens=recipe.prompting.text_prefix_tokens,
             max_context=spec.max_context,
             max_new_tokens=recipe.sampling.max_new_tokens,
             seed=recipe.sampling.seed,
-            chat_template_kwargs=recipe.prompts.chat_template_kwargs,
+            chat_template_kwargs=recipe.prompting.chat_template_kwargs,
         )
         # One unit computes at a time: the executor keeps a second one queued, not competing.
         self._compute_lock = threading.Lock()
@@ -94,7 +94,7 @@ class GenerationWorker:
             self.recipe.sampling,
             self.recipe.target,
             self.tokenizer,
-            self.recipe.prompts.chat_template_kwargs,
+            self.recipe.prompting.chat_template_kwargs,
         )
 
     def _transformers(self) -> Any:

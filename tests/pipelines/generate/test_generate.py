@@ -70,7 +70,7 @@ def make_recipe(data: list[str], output: Path, *overrides: str) -> GenerateRecip
         "data": data,
         "output": str(output),
         "model": {"dtype": "float32", "device": "cpu"},
-        "prompts": {"text_prefix_tokens": 32, "max_context": 1024},
+        "prompting": {"text_prefix_tokens": 32, "max_context": 1024},
         "sampling": {"max_new_tokens": 12},
         "units": {"max_records": 3},
         "batching": {"max_batch_size": 4},

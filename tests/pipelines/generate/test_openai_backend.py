@@ -117,7 +117,7 @@ def recipe_for(data: Path, output: Path, target: Path, *overrides: str) -> Gener
         "data": [str(data)],
         "output": str(output),
         "model": {"dtype": "float32", "device": "cpu"},
-        "prompts": {"text_prefix_tokens": 16, "max_context": 1024},
+        "prompting": {"text_prefix_tokens": 16, "max_context": 1024},
         "sampling": {"max_new_tokens": 10},
         "units": {"max_records": 2},
         "openai": {"max_in_flight": 3, "backoff_seconds": 0.01, "max_retries": 3},
