@@ -63,21 +63,29 @@ def choose_next(
 
 
 def plan_generation_batches(
-    requests: Sequence[Request], max_batch_size: int, token_budget: int
+    requests: Sequence[Request], max_batch_size: int, token_budget: int, max_padding_share: float = 1.0
 ) -> list[list[int]]:
-    """Request indices, longest prompt first, cut so that each batch's KV cache fits the budget."""
+    """Request indices, longest prompt first, cut so that each batch's KV cache fits the budget and
+    padding is at most ``max_padding_share`` of its prefill (left padding costs compute there)."""
     order = sorted(range(len(requests)), key=lambda i: -len(requests[i].prompt_ids))
     batches: list[list[int]] = []
     current: list[int] = []
-    width = 0
+    width = 0  # the batch's longest prompt + max_new_tokens
+    prompt_width = real_tokens = 0
     for i in order:
-        need = len(requests[i].prompt_ids) + requests[i].max_new_tokens
-        new_width = max(width, need)
-        if current and (len(current) >= max_batch_size or new_width * (len(current) + 1) > token_budget):
+        length = len(requests[i].prompt_ids)
+        need = length + requests[i].max_new_tokens
+        count = len(current) + 1
+        too_big = max(width, need) * count > token_budget or count > max_batch_size
+        padded = max(prompt_width, length) * count
+        too_padded = padded - (real_tokens + length) > max_padding_share * padded
+        if current and (too_big or too_padded):
             batches.append(current)
-            current, new_width = [], need
+            current, width, prompt_width, real_tokens = [], 0, 0, 0
         current.append(i)
-        width = new_width
+        width = max(width, need)
+        prompt_width = max(prompt_width, length)
+        real_tokens += length
     if current:
         batches.append(current)
     return batches
@@ -96,6 +104,7 @@ class BatchGenerator:
         params: SamplingParams,
         max_batch_size: int,
         token_budget: int,
+        max_padding_share: float = 1.0,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -105,6 +114,7 @@ class BatchGenerator:
         self.params = params
         self.max_batch_size = max_batch_size
         self.token_budget = token_budget
+        self.max_padding_share = max_padding_share
         # transformers 5.24 renamed the forward's ``past_key_values`` to ``cache`` (the old name
         # warns, and goes in 5.40); older versions know only the old one.
         import inspect
@@ -114,7 +124,9 @@ class BatchGenerator:
 
     def generate(self, requests: Sequence[Request], on_batch: BatchCallback | None = None) -> list[Answer]:
         answers: list[Answer | None] = [None] * len(requests)
-        for batch in plan_generation_batches(requests, self.max_batch_size, self.token_budget):
+        for batch in plan_generation_batches(
+            requests, self.max_batch_size, self.token_budget, self.max_padding_share
+        ):
             token_lists, finishes = self.generate_ids([requests[i] for i in batch])
             num_new = 0
             for i, ids, finish in zip(batch, token_lists, finishes, strict=True):

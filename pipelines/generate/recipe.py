@@ -73,6 +73,13 @@ class BatchingSection(RecipeModel):
         ge=1,
         description="(longest prompt + max_new_tokens) x batch at most: bounds the KV cache",
     )
+    max_padding_share: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="a batch is cut before its left padding passes this share of its prompt "
+        "tokens (padding is computed in the prefill); 1: cut by size and budget only",
+    )
 
 
 class UnitsSection(RecipeModel):

@@ -127,6 +127,7 @@ class GenerationWorker:
             ),
             max_batch_size=recipe.batching.max_batch_size,
             token_budget=recipe.batching.token_budget,
+            max_padding_share=recipe.batching.max_padding_share,
         )
 
     def run_unit(self, unit: GenerationUnit, on_batch: Any = None) -> UnitOutput:

@@ -193,6 +193,11 @@ def test_batches_are_length_sorted_within_the_token_budget() -> None:
         assert max(len(requests[i].prompt_ids) + 10 for i in batch) * len(batch) <= 80
     # A request larger than the budget still runs, alone.
     assert plan_generation_batches(requests[1:2], 4, 8) == [[0]]
+    # Padding: 30, 30, 12 pad 18 of 90 prefill tokens (20%); adding 5 would pad 43 of 120 (36%),
+    # and 5 with 1 pads 4 of 10.
+    capped = plan_generation_batches(requests, max_batch_size=8, token_budget=10_000, max_padding_share=0.3)
+    assert capped == [[1, 3, 2], [0], [4]]
+    assert plan_generation_batches(requests, 8, 10_000) == [[1, 3, 2, 0, 4]]
 
 
 def test_recipe_refuses_unknown_keys_and_a_budget_under_one_answer(reference_target: Path) -> None:
