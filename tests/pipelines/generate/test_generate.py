@@ -20,7 +20,7 @@ from hsstore.location import StoreLocation
 from pipelines.extract import run_extraction
 from pipelines.extract.recipe import ExtractRecipe
 from pipelines.generate.driver import run_generation
-from pipelines.generate.manifest import GenerationError, read_manifest
+from pipelines.generate.manifest import GenerationError, expand_generated_data, read_manifest
 from pipelines.generate.recipe import GenerateRecipe
 from pipelines.recipe import build_recipe
 from tests.factories import REPO_ROOT, TRAIN_SLICE
@@ -240,6 +240,8 @@ def test_a_sigkilled_run_resumes_exactly(dataset: Any, tmp_path: Path, greedy_ru
     assert process.returncode == -signal.SIGKILL and committed >= 2
     killed = read_manifest(location)
     assert killed is not None and not killed.complete and len(killed.shards) < 8
+    with pytest.raises(GenerationError, match="generation is not finished"):
+        expand_generated_data([recipe.output])  # extraction refuses a partial dataset
     summary = run_generation(recipe)
     assert summary.num_units_skipped == len(killed.shards)
     assert summary.num_units_written == 8 - len(killed.shards)
