@@ -36,8 +36,11 @@ def encode_records(records: list[dict[str, Any]], output_format: str) -> bytes:
     import pyarrow.parquet as pq
 
     buffer = io.BytesIO()
-    # Chats and continuations may share a shard: absent keys become nulls, which the reader drops.
-    pq.write_table(pa.Table.from_pylist(records), buffer, compression="zstd")
+    # Chats and continuations may share a shard: every row gets every key (absent ones null,
+    # which extraction's reader drops). from_pylist takes its columns from the first row only.
+    keys = list(dict.fromkeys(key for record in records for key in record))
+    rows = [{key: record.get(key) for key in keys} for record in records]
+    pq.write_table(pa.Table.from_pylist(rows), buffer, compression="zstd")
     return buffer.getvalue()
 
 

@@ -257,3 +257,20 @@ def test_ray_actors_write_what_the_local_run_writes(ray_session: Any, dataset: A
     summary = run_generation(on_ray)
     assert summary.num_workers == 2 and summary.num_written == 5
     assert read_output(tmp_path / "ray") == read_output(Path(recipe.output))
+
+
+def test_parquet_shards_read_back_by_extract(dataset: Any, tmp_path: Path) -> None:
+    recipe = make_recipe(dataset[1], tmp_path / "out", "output_format.format=parquet", "limit=4", "sampling.max_new_tokens=6")
+    summary = run_generation(recipe)
+    manifest = read_manifest(StoreLocation(recipe.output))
+    assert manifest is not None and all(s.path.endswith(".parquet") for s in manifest.shards)
+    import pyarrow.parquet as pq
+
+    rows = [r for s in manifest.shards for r in pq.read_table(tmp_path / "out" / s.path).to_pylist()]
+    assert len(rows) == summary.num_written == 3
+    extract = build_recipe(
+        ExtractRecipe,
+        {"target": recipe.target, "data": [recipe.output], "store": str(tmp_path / "store"), "executor": "local",
+         "model": {"dtype": "float32"}, "batching": {"max_length": 1024, "token_budget": 4096}},
+    )
+    assert run_extraction(extract).num_samples == 3
