@@ -8,7 +8,7 @@ seeds, finished answers dropped from the batch); the plain path is
 ``model.generate(input_ids, attention_mask, max_new_tokens=..., do_sample=False)`` per batch.
 Tokens counted are new tokens before the stop token (padding after it excluded), per path.
 
-    python benchmarks/bench_generate.py --shape tiny --device cpu     # smoke test, seconds
+    python benchmarks/bench_generate.py --quick                         # CPU smoke test (tiny model), seconds
     python benchmarks/bench_generate.py --shape qwen3-8b --device cuda  # H200: Qwen3-8B shape, random bf16 weights
 
 writes ``benchmarks/results/generate-h200.json`` (``--out`` to change):
@@ -123,7 +123,7 @@ def run_plain(model: Any, batches: list[list[list[int]]], max_new: int, device: 
     return tokens, time.perf_counter() - start
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=["qwen3-8b", "tiny"], default="qwen3-8b")
     parser.add_argument("--device", default="cuda")
@@ -134,7 +134,13 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2, help="timed passes per path, alternating; best kept")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "generate-h200.json"))
-    args = parser.parse_args()
+    parser.add_argument(
+        "--quick", action="store_true", help="CPU smoke: tiny shape, 16 prompts of 8-32 tokens, batch 8, 8 new tokens, 1 pass"
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.shape, args.device, args.batch, args.num_prompts = "tiny", "cpu", 8, 16
+        args.min_prompt, args.max_prompt, args.max_new_tokens, args.repeats = 8, 32, 8, 1
 
     device = torch.device(args.device)
     start = time.perf_counter()
