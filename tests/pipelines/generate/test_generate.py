@@ -205,6 +205,12 @@ def test_extract_reads_the_generated_dataset_and_records_who_wrote_it(greedy_run
     assert generation[0]["target"]["config_sha256"] == store.lineage.target.config_sha256
     # Loss on the answers only: a continuation's prompt and a chat's user turns carry none.
     assert 0 < summary.num_loss_tokens < summary.num_tokens / 2
+    from hsstore.commit import read_manifest as read_store_manifest
+    from hsstore.info import format_info, store_info
+
+    manifest = read_store_manifest(StoreLocation(extract.store))
+    assert manifest is not None
+    assert "answers    by this target (" in format_info(store_info(manifest, extract.store))
 
 
 def test_a_sigkilled_run_resumes_exactly(dataset: Any, tmp_path: Path, greedy_run: Any) -> None:
