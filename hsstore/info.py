@@ -88,6 +88,18 @@ def format_info(info: dict[str, Any]) -> str:
         f"aux layers {lineage.get('aux_layer_ids')} ({lineage.get('layer_convention')}), final state {lineage.get('final_state_convention')}",
         f"max length {lineage.get('max_length')}, distribution {lineage.get('target_distribution')}",
     ]
+    for generated in lineage.get("generation") or []:  # data written by ``hsstore generate``
+        writer = generated.get("target") or {}
+        same = writer.get("config_sha256") == target.get("config_sha256") and writer.get(
+            "weight_files"
+        ) == target.get("weights_sha256")
+        sampling = generated.get("sampling") or {}
+        lines.append(
+            f"answers    by {'this target' if same else 'another model'} "
+            f"({writer.get('name_or_path', '?')}, {generated.get('backend')}, temperature "
+            f"{sampling.get('temperature')}, max {sampling.get('max_new_tokens')} new tokens) "
+            f"in {generated.get('dataset')}"
+        )
     return "\n".join(lines)
 
 

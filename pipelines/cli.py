@@ -20,6 +20,7 @@ from hsstore.errors import HsstoreError
 SUBCOMMAND_MODULES = (
     "pipelines.store_commands",  # info, verify, gc: the store's own verbs
     "pipelines.inspect_command",
+    "pipelines.generate.cli",
     "pipelines.extract.cli",
     "pipelines.train.cli",
     "pipelines.export.cli",

@@ -44,6 +44,7 @@ from pipelines.extract.records import Rejection, RejectReason
 from pipelines.extract.summary import ExtractionSummary
 from pipelines.extract.tokenize import SampleTokenizer
 from pipelines.extract.tokenizer_pool import load_tokenizer, make_sample_tokenizer
+from pipelines.generate.manifest import expand_generated_data
 
 __all__ = ["load_tokenizer", "make_sample_tokenizer", "run_extraction"]  # the tokenizer: re-exported
 from pipelines.extract.worker import (
@@ -80,6 +81,11 @@ def run_extraction(
     and tokenizes every record, cuts the units, counts, and touches neither the store nor the model.
     """
     wall_start = time.perf_counter()
+    # A folder written by ``hsstore generate`` reads as its committed shards; its lineage (who
+    # wrote the answers) goes into the store's.
+    data_files, generation_lineage = expand_generated_data(recipe.data)
+    if data_files != recipe.data:
+        recipe = recipe.model_copy(update={"data": data_files})
     target_dir = resolve_target(recipe.target, recipe.model.revision)
     tokenizer_dir = recipe.tokenizer.path or target_dir
     sample_tokenizer = make_sample_tokenizer(recipe, tokenizer_dir)
@@ -96,7 +102,13 @@ def run_extraction(
     location = StoreLocation(recipe.store, recipe.storage_options)
     summary.rejects_path = location.path(REJECTS_PATH)
     lineage = build_lineage(
-        recipe, target_dir, tokenizer_dir, sample_tokenizer, aux_layer_ids, data_fingerprint(recipe)
+        recipe,
+        target_dir,
+        tokenizer_dir,
+        sample_tokenizer,
+        aux_layer_ids,
+        data_fingerprint(recipe),
+        generation=generation_lineage or None,
     )
     lineage = reconcile_lineage(location, lineage)
     ensure_store(location, features=features, lineage=lineage)

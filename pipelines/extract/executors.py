@@ -23,20 +23,26 @@ from typing import Any
 from hsstore.errors import HsstoreError
 from pipelines.extract.errors import ExtractionError
 from pipelines.extract.recipe import RaySection
-from pipelines.extract.worker import ExtractionWorker, UnitResult, WorkerSpec, WorkUnit
+from pipelines.extract.worker import ExtractionWorker, WorkUnit
 
 logger = logging.getLogger(__name__)
 
-ResultCallback = Callable[[UnitResult], None]
+ResultCallback = Callable[[Any], None]  # UnitResult for extraction
 # Units a worker holds at once: one running forwards, one finishing its shard (worker.run_unit).
 UNITS_IN_FLIGHT = 2
 
 
 class LocalExecutor:
-    """Runs the worker in this process, one unit after another."""
+    """Runs the worker in this process, one unit after another.
 
-    def __init__(self, spec: WorkerSpec, worker: ExtractionWorker | None = None):
-        self.worker = worker if worker is not None else ExtractionWorker(spec)
+    ``worker_class`` builds the worker from ``spec`` (default: extraction's); any class with
+    ``run_unit(unit, on_batch)`` and ``close()`` fits (``hsstore generate`` passes its own).
+    """
+
+    def __init__(
+        self, spec: Any, worker: Any | None = None, worker_class: Callable[[Any], Any] = ExtractionWorker
+    ):
+        self.worker = worker if worker is not None else worker_class(spec)
 
     def run(
         self,
@@ -69,12 +75,12 @@ class LocalExecutor:
 
 
 class _WorkerActor:
-    """The Ray actor: an ExtractionWorker that lives as long as the actor (the model stays loaded)."""
+    """The Ray actor: a worker that lives as long as the actor (the model stays loaded)."""
 
-    def __init__(self, spec: WorkerSpec):
-        self.worker = ExtractionWorker(spec)
+    def __init__(self, spec: Any, worker_class: Callable[[Any], Any] = ExtractionWorker):
+        self.worker = worker_class(spec)
 
-    def run_unit(self, unit: WorkUnit) -> UnitResult:
+    def run_unit(self, unit: Any) -> Any:
         return self.worker.run_unit(unit)
 
     def pid(self) -> int:
@@ -87,10 +93,17 @@ class RayExecutor:
     """Ray core actors: one per GPU (or ``num_workers`` CPU actors); the driver hands out units.
 
     Joins the cluster at ``settings.address`` or starts Ray locally when Ray is not initialised yet
-    (and shuts it down on :meth:`close` only then).
+    (and shuts it down on :meth:`close` only then). ``worker_class`` as for :class:`LocalExecutor`;
+    ``spec`` must be a dataclass with ``device`` and ``num_gpus`` fields (they are set per actor).
     """
 
-    def __init__(self, spec: WorkerSpec, settings: RaySection):
+    def __init__(
+        self,
+        spec: Any,
+        settings: RaySection,
+        worker_class: Callable[[Any], Any] = ExtractionWorker,
+        job: str = "extraction",
+    ):
         try:
             import ray
         except ImportError as err:
@@ -129,15 +142,15 @@ class RayExecutor:
             # Two threads: a unit finishing its shard overlaps the next unit's forwards.
             max_concurrency=UNITS_IN_FLIGHT,
         )
-        self.actors = [actor_class.remote(spec) for _ in range(num_workers)]
+        self.actors = [actor_class.remote(spec, worker_class) for _ in range(num_workers)]
         # Waits for the actors to start (model loaded); the pids name the processes in logs
         # (and the tests SIGKILL one to check that its units are retried).
         self.pids: list[int] = ray.get([actor.pid.remote() for actor in self.actors])
-        logger.info("started %d extraction actors (%s GPU each)", num_workers, num_gpus)
+        logger.info("started %d %s actors (%s GPU each)", num_workers, job, num_gpus)
 
     def run(
         self,
-        units: Iterable[WorkUnit],
+        units: Iterable[Any],
         on_result: ResultCallback,
         on_batch: Callable[[int, int], None] | None = None,
     ) -> None:
@@ -147,7 +160,7 @@ class RayExecutor:
         from ray.exceptions import RayActorError, RayTaskError
 
         pending = iter(units)  # pulled as actors free up: the driver plans in a stream
-        in_flight: dict[Any, tuple[Any, WorkUnit]] = {}
+        in_flight: dict[Any, tuple[Any, Any]] = {}
 
         def submit(actor: Any) -> None:
             unit = next(pending, None)
@@ -190,7 +203,7 @@ class RayExecutor:
             ray.shutdown()
 
 
-def _replace(spec: WorkerSpec, **changes: Any) -> WorkerSpec:
+def _replace(spec: Any, **changes: Any) -> Any:
     import dataclasses
 
     return dataclasses.replace(spec, **changes)

@@ -243,8 +243,10 @@ def build_lineage(
     tokenizer: SampleTokenizer,
     aux_layer_ids: list[int],
     data_fingerprint: str,
+    generation: list[dict[str, Any]] | None = None,
 ) -> Lineage:
-    """The store's lineage, recorded in full (docs/design.md 'Lineage')."""
+    """The store's lineage, recorded in full (docs/design.md 'Lineage'); ``generation``: the
+    lineage of each ``hsstore generate`` dataset among the inputs."""
     identity = target_identity(target_dir)
     return Lineage(
         target=TargetIdentity(
@@ -267,6 +269,7 @@ def build_lineage(
         max_length=recipe.batching.max_length,
         data_fingerprint=data_fingerprint,
         code_version=CODE_VERSION,
+        generation=generation,
         extra={
             "extract": {
                 "tokenization": tokenizer.settings,

@@ -1,8 +1,10 @@
 """Input records: read JSONL / Parquet (local paths or fsspec URLs), validate, reject with a reason.
 
-A record is either plain text, ``{"id"?, "text": str}``, or a chat, ``{"id"?, "messages": [...]}``
-with OpenAI ``{"role", "content"}`` turns or ShareGPT ``{"from", "value"}`` turns (ShareGPT's
-``conversations`` key is accepted for ``messages``). Anything else is a :class:`Rejection` with
+A record is either plain text, ``{"id"?, "text": str}``, a continuation, ``{"id"?, "prompt": str,
+"completion": str}`` (text whose loss covers the completion only: what ``hsstore generate`` writes
+for text records), or a chat, ``{"id"?, "messages": [...]}`` with OpenAI ``{"role", "content"}``
+turns or ShareGPT ``{"from", "value"}`` turns (ShareGPT's ``conversations`` key is accepted for
+``messages``). Anything else is a :class:`Rejection` with
 one of the :class:`RejectReason` values and a message that names the file, the line and the
 problem: a bad record is never dropped silently, it is counted and written to the rejects file.
 
@@ -33,11 +35,13 @@ class RejectReason(StrEnum):
     EMPTY = "empty"
     UNKNOWN_ROLE = "unknown_role"
     NO_ASSISTANT_TURN = "no_assistant_turn"
+    NO_USER_TURN = "no_user_turn"  # hsstore generate: a chat with nothing to answer
     TEMPLATE_ERROR = "template_error"
     TOO_LONG = "too_long"
     NO_LOSS_TOKENS = "no_loss_tokens"
     DUPLICATE = "duplicate"
     WORKER_ERROR = "worker_error"  # the target raised on the record (pipelines/extract/worker.py)
+    GENERATION_ERROR = "generation_error"  # hsstore generate: the backend failed on the record
 
 
 # ShareGPT speaker names mapped onto OpenAI roles; OpenAI roles map onto themselves.
@@ -60,12 +64,16 @@ _EXCERPT_CHARS = 200
 
 @dataclass(frozen=True)
 class Record:
-    """A validated input record: exactly one of ``text`` and ``messages`` is set."""
+    """A validated input record: exactly one of ``text`` and ``messages`` is set.
+
+    A continuation record is text whose first ``len(prompt)`` characters are the prompt (no loss).
+    """
 
     source_id: str
     origin: str  # "<file>:<line>" (JSONL) or "<file>:row <n>" (Parquet), for messages
     text: str | None = None
     messages: tuple[dict[str, str], ...] | None = None
+    prompt: str | None = None  # continuations: text == prompt + completion
 
     @property
     def kind(self) -> str:
@@ -73,6 +81,8 @@ class Record:
 
     def content(self) -> dict[str, Any]:
         """The record's content, normalised (roles mapped), for hashing into the sample id."""
+        if self.prompt is not None and self.text is not None:
+            return {"prompt": self.prompt, "completion": self.text[len(self.prompt) :]}
         if self.text is not None:
             return {"text": self.text}
         return {"messages": [dict(m) for m in self.messages or ()]}
@@ -150,6 +160,9 @@ def parse_record(
     messages_key = (
         "messages" if "messages" in obj else "conversations" if "conversations" in obj else None
     )
+    if "prompt" in obj and "completion" in obj and messages_key is None and obj.get("text") is None:
+        # Only then: datasets carry a "prompt" key beside their messages (UltraChat) as metadata.
+        return _parse_continuation(obj, origin, source_id, reject)
     has_text = obj.get("text") is not None
     if has_text and messages_key:
         return reject(
@@ -229,6 +242,25 @@ def parse_record(
             source_id,
         )
     return Record(source_id=source_id, origin=origin, messages=tuple(messages))
+
+
+def _parse_continuation(
+    obj: dict[str, Any], origin: str, source_id: str, reject: Any
+) -> Record | Rejection:
+    """``{"prompt": str, "completion": str}``: text, loss on the completion only."""
+    prompt, completion = obj.get("prompt"), obj.get("completion")
+    if not isinstance(prompt, str) or not isinstance(completion, str):
+        return reject(
+            RejectReason.WRONG_TYPE,
+            f"'prompt' and 'completion' must both be strings, found {type(prompt).__name__} and "
+            f"{type(completion).__name__}",
+            source_id,
+        )
+    if not (prompt + completion).strip():
+        return reject(RejectReason.EMPTY, "'prompt' and 'completion' are empty", source_id)
+    if not _is_utf8(prompt + completion):
+        return reject(RejectReason.INVALID_UTF8, "'prompt' or 'completion' holds a lone surrogate", source_id)
+    return Record(source_id=source_id, origin=origin, text=prompt + completion, prompt=prompt)
 
 
 def _iter_jsonl(url: str, require_assistant: bool) -> Iterator[Record | Rejection]:

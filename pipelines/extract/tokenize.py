@@ -1,6 +1,7 @@
 """Records to token ids and loss masks, with the chat template, truncation and the sample id.
 
-Text records: the tokenizer's own encoding (``add_special_tokens=True``), loss on every token.
+Text records: the tokenizer's own encoding (``add_special_tokens=True``), loss on every token;
+for a continuation (``prompt`` + ``completion``), loss on the tokens that overlap the completion.
 
 Chat records go through the tokenizer's chat template; the loss mask covers assistant turns only.
 Two ways to find the assistant tokens (``loss_mask`` in the recipe, ``auto`` picks):
@@ -122,7 +123,12 @@ class SampleTokenizer:
                 reason, f"{record.origin}: {problem}", record.origin, record.source_id, excerpt()
             )
 
-        if record.text is not None:
+        if record.prompt is not None and record.text is not None:
+            try:
+                ids, mask = self.tokenize_continuation(record.text, len(record.prompt))
+            except TemplateSpanError as err:
+                return reject(RejectReason.TEMPLATE_ERROR, str(err))
+        elif record.text is not None:
             ids = list(self.tokenizer(record.text, add_special_tokens=True)["input_ids"])
             mask = [1] * len(ids)
         else:
@@ -160,6 +166,16 @@ class SampleTokenizer:
             origin=record.origin,
             excerpt=excerpt(),
         )
+
+    def tokenize_continuation(self, text: str, prompt_chars: int) -> tuple[list[int], list[int]]:
+        """Ids of ``text`` and a mask on the tokens overlapping ``text[prompt_chars:]``."""
+        if not getattr(self.tokenizer, "is_fast", False):
+            raise TemplateSpanError("a prompt/completion record needs a fast tokenizer (offset mapping)")
+        encoded = self.tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
+        ids = list(encoded["input_ids"])
+        # Special tokens have empty offsets (0, 0): never loss.
+        mask = [int(end > prompt_chars and end > start) for start, end in encoded["offset_mapping"]]
+        return ids, mask
 
     def render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(

@@ -1,0 +1,298 @@
+"""A prompt set of the reference target's kind, built from Python source any machine has offline.
+
+    python3 -m pipelines.generate.source_prompts --out runs/source-prompts.jsonl [--max-files N]
+
+then ``hsstore generate`` answers it (docs/generate.md). The sources are the installed Python's
+standard library and the packages in its site-packages. Each file gives one record (or
+``--windows-per-file`` records, at other places in the file), alternately by a hash of its path:
+
+- a chat "continue this file" prompt, as in ``../shared/data/draft_train.jsonl``: the system turn
+  ``You are a Python coding assistant.`` and the user turn ``Continue this Python file:\\n`` plus
+  the file's text up to a line boundary (no assistant turn: generate adds the target's answer);
+- a raw prefix, ``{"text": ...}``: the file's text from a line boundary on (generate continues its
+  first ``prompting.text_prefix_tokens`` tokens).
+
+Never used, counted by reason in the summary:
+
+- a file whose path hash is in ``reserved_sources.sha256`` (held out for evaluation; the path is
+  hashed as that file's header says: relative to site-packages for a package, relative to the
+  standard library's parent, with its version folder, for the standard library);
+- the whole ``transformers`` package (reserved too);
+- a file that shares code with an evaluation prompt (``--eval`` files: 8 consecutive non-blank
+  lines in common, or the evaluation prompt's own path), and a file whose text another file
+  already gave (vendored copies);
+- tests (``test``/``tests`` folders) unless ``--include-tests``, files under ``--min-chars`` or
+  over ``--max-bytes``, files that are not UTF-8.
+
+Output order and content are a function of the sources and the options: a rerun writes the same file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import site
+import sys
+import sysconfig
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SYSTEM_PROMPT = "You are a Python coding assistant."
+USER_PREFIX = "Continue this Python file:\n"
+EXCLUDED_PACKAGES = ("transformers",)
+SHINGLE_LINES = 8
+
+
+@dataclass(frozen=True)
+class SourceRoot:
+    """A folder of sources and the folder their hashed path is relative to."""
+
+    folder: Path
+    relative_to: Path
+
+
+@dataclass
+class BuildOptions:
+    min_chars: int = 400
+    max_bytes: int = 1 << 20
+    min_prefix_chars: int = 512
+    max_prefix_chars: int = 3072
+    max_text_chars: int = 6000
+    windows_per_file: int = 1
+    include_tests: bool = False
+    max_files: int | None = None
+
+
+@dataclass
+class BuildSummary:
+    files_seen: int = 0
+    files_used: int = 0
+    records: int = 0
+    skipped: Counter[str] = field(default_factory=Counter)
+
+
+def installed_roots() -> list[SourceRoot]:
+    """The standard library (relative to its parent: ``python3.11/json/decoder.py``) and every
+    site-packages folder (relative to itself: ``torch/nn/modules/linear.py``)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    roots = [SourceRoot(stdlib, stdlib.parent)]
+    for folder in dict.fromkeys(site.getsitepackages() + [site.getusersitepackages()]):
+        path = Path(folder).resolve()
+        if path.is_dir():
+            roots.append(SourceRoot(path, path))
+    return roots
+
+
+def read_reserved(path: Path) -> set[str]:
+    """The sha256 hex digests of ``reserved_sources.sha256`` (``#`` lines are its header)."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return {line.strip().lower() for line in lines if line.strip() and not line.startswith("#")}
+
+
+def path_hash(relative: str) -> str:
+    return hashlib.sha256(relative.encode("utf-8")).hexdigest()
+
+
+def code_shingles(text: str) -> set[str]:
+    """Hashes of every run of SHINGLE_LINES consecutive non-blank lines (whitespace-stripped)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return {
+        hashlib.blake2b("\n".join(lines[i : i + SHINGLE_LINES]).encode(), digest_size=8).hexdigest()
+        for i in range(max(0, len(lines) - SHINGLE_LINES + 1))
+    }
+
+
+def eval_fingerprints(files: Iterable[Path]) -> tuple[set[str], set[str]]:
+    """Shingles of every evaluation prompt's code, and the source paths its ids name."""
+    shingles: set[str] = set()
+    paths: set[str] = set()
+    for path in files:
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            source_id = str(record.get("id", ""))
+            if "/" in source_id:
+                paths.add(source_id.split("/", 1)[1])  # "eval/torch/jit/_fuser.py" -> torch/jit/_fuser.py
+            turns = record.get("messages") or record.get("conversations") or []
+            texts = [t.get("content") or t.get("value") or "" for t in turns] + [record.get("text") or ""]
+            for text in texts:
+                shingles |= code_shingles(text.removeprefix(USER_PREFIX))
+    return shingles, paths
+
+
+def iter_sources(roots: list[SourceRoot], summary: BuildSummary, include_tests: bool) -> Iterator[tuple[str, Path]]:
+    """(hashed relative path, file) of every .py file, sorted; nested roots are not walked twice."""
+    seen: set[Path] = set()
+    folders = {root.folder for root in roots}
+    for root in roots:
+        found: list[tuple[str, Path]] = []
+        for folder, dirs, files in os.walk(root.folder):
+            here = Path(folder)
+            dirs[:] = sorted(d for d in dirs if (here / d) not in folders and d != "__pycache__")
+            if not include_tests:
+                dropped = [d for d in dirs if d in ("test", "tests")]
+                summary.skipped["tests"] += len(dropped)
+                dirs[:] = [d for d in dirs if d not in ("test", "tests")]
+            for name in files:
+                if name.endswith(".py") and (here / name) not in seen:
+                    seen.add(here / name)
+                    found.append(((here / name).relative_to(root.relative_to).as_posix(), here / name))
+        yield from sorted(found)
+
+
+def _stable(key: str, salt: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{salt}\0{key}".encode()).digest()[:8], "little")
+
+
+def _line_cut(text: str, at: int) -> int:
+    """The end of the line holding character ``at`` (a prefix never stops mid-line)."""
+    end = text.find("\n", at)
+    return len(text) if end < 0 else end + 1
+
+
+def make_records(relative: str, text: str, options: BuildOptions) -> list[dict[str, object]]:
+    """The file's records: chat prompts or raw prefixes, at places derived from its path."""
+    records: list[dict[str, object]] = []
+    for window in range(options.windows_per_file):
+        salt = f"w{window}"
+        chat = (_stable(relative, "kind") + window) % 2 == 0
+        if chat:
+            # The prefix ends between min and max_prefix_chars, and leaves at least a quarter of
+            # the file to continue.
+            low = min(options.min_prefix_chars, len(text) // 2)
+            high = max(low + 1, min(options.max_prefix_chars, len(text) * 3 // 4))
+            cut = _line_cut(text, low + _stable(relative, salt) % (high - low))
+            if cut >= len(text):
+                continue  # nothing left to continue
+            records.append(
+                {
+                    "id": f"prompts/{relative}#{window}",
+                    "messages": [
+                        {"role": "system", "content": SYSTEM_PROMPT},
+                        {"role": "user", "content": USER_PREFIX + text[:cut]},
+                    ],
+                }
+            )
+        else:
+            start = 0 if window == 0 else _line_cut(text, _stable(relative, salt) % max(1, len(text) // 2))
+            piece = text[start : start + options.max_text_chars]
+            if len(piece.strip()) < options.min_chars // 2:
+                continue
+            records.append({"id": f"prompts/{relative}#{window}", "text": piece})
+    return records
+
+
+def build_prompts(
+    roots: list[SourceRoot],
+    reserved: set[str],
+    eval_files: list[Path],
+    options: BuildOptions,
+) -> tuple[list[dict[str, object]], BuildSummary]:
+    """Every record, in a deterministic order (by path hash), and what was skipped, by reason."""
+    summary = BuildSummary()
+    eval_shingles, eval_paths = eval_fingerprints(eval_files)
+    seen_content: set[str] = set()
+    candidates: list[tuple[int, str, str]] = []
+    for relative, path in iter_sources(roots, summary, options.include_tests):
+        summary.files_seen += 1
+        reason = _skip_reason(relative, path, reserved, eval_paths, options)
+        text = ""
+        if reason is None:
+            try:
+                text = path.read_bytes().decode("utf-8")
+            except UnicodeDecodeError:
+                reason = "not_utf8"
+        if reason is None and len(text.strip()) < options.min_chars:
+            reason = "too_short"
+        if reason is None:
+            digest = hashlib.sha256(text.encode()).hexdigest()
+            if digest in seen_content:
+                reason = "duplicate_file"
+            elif code_shingles(text) & eval_shingles:
+                reason = "overlaps_eval_prompt"
+            else:
+                seen_content.add(digest)
+        if reason is not None:
+            summary.skipped[reason] += 1
+            continue
+        candidates.append((_stable(relative, "order"), relative, text))
+    candidates.sort()
+    if options.max_files is not None:
+        candidates = candidates[: options.max_files]
+    records: list[dict[str, object]] = []
+    for _, relative, text in candidates:
+        made = make_records(relative, text, options)
+        summary.files_used += bool(made)
+        records.extend(made)
+    summary.records = len(records)
+    return records, summary
+
+
+def _skip_reason(
+    relative: str, path: Path, reserved: set[str], eval_paths: set[str], options: BuildOptions
+) -> str | None:
+    if relative.split("/", 1)[0] in EXCLUDED_PACKAGES:
+        return "transformers"
+    if path_hash(relative) in reserved:
+        return "reserved"
+    if relative in eval_paths:
+        return "eval_source"
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return "unreadable"
+    return "too_large" if size > options.max_bytes else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    shared = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+    repo_data = Path(__file__).resolve().parents[2] / "examples" / "data"
+    parser = argparse.ArgumentParser(description="Build chat and raw-prefix prompts from installed Python source.")
+    parser.add_argument("--out", required=True, help="JSONL file to write")
+    parser.add_argument("--reserved", default=str(shared / "reserved_sources.sha256"))
+    parser.add_argument(
+        "--eval",
+        action="append",
+        default=None,
+        help="evaluation prompts to keep out (repeatable; default: ../shared/data/eval_prompts.jsonl "
+        "and examples/data/eval_prompts.jsonl, those that exist)",
+    )
+    parser.add_argument("--max-files", type=int, default=None)
+    parser.add_argument("--windows-per-file", type=int, default=1)
+    parser.add_argument("--include-tests", action="store_true")
+    args = parser.parse_args(argv)
+    reserved_path = Path(args.reserved)
+    if not reserved_path.exists():
+        print(f"error: {reserved_path} does not exist: reserved files could not be skipped", file=sys.stderr)
+        return 2
+    eval_files = [Path(p) for p in (args.eval or [shared / "eval_prompts.jsonl", repo_data / "eval_prompts.jsonl"])]
+    options = BuildOptions(
+        windows_per_file=args.windows_per_file, include_tests=args.include_tests, max_files=args.max_files
+    )
+    records, summary = build_prompts(
+        installed_roots(), read_reserved(reserved_path), [p for p in eval_files if p.exists()], options
+    )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    temp = out.with_name(f".{out.name}.tmp")
+    temp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    temp.replace(out)
+    kinds = Counter("chat" if "messages" in r else "text" for r in records)
+    print(
+        f"{summary.records} records ({kinds['chat']} chat, {kinds['text']} raw prefix) from "
+        f"{summary.files_used} of {summary.files_seen} files -> {out}\n"
+        f"skipped: {dict(sorted(summary.skipped.items()))}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

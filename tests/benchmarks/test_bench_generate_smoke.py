@@ -1,0 +1,18 @@
+"""benchmarks/bench_generate.py at a tiny size on the CPU: both paths timed, the same tokens counted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def test_quick_run_measures_both_paths(tmp_path: Path) -> None:
+    from benchmarks import bench_generate
+
+    out = tmp_path / "generate.json"
+    assert bench_generate.main(["--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["hsstore_tokens_per_s"] > 0 and result["plain_generate_tokens_per_s"] > 0
+    assert result["batch"] == 8 and result["shape"] == "tiny"
+    # Greedy on the same model and prompts: both paths generate the same number of tokens.
+    assert result["hsstore_runs"][0]["tokens"] == result["plain_runs"][0]["tokens"] > 0
