@@ -117,7 +117,8 @@ def hyperparameters(args: argparse.Namespace, steps: int) -> dict[str, Any]:
     }
 
 
-def train_hsstore(store: str, target: Path, out: Path, seed: int, hp: dict[str, Any], device: str) -> dict[str, Any]:
+def train_hsstore(store: str, target: Path, out: Path, seed: int, hp: dict[str, Any], device: str,
+                  loss_normalization: str = "scored") -> dict[str, Any]:
     from pipelines.recipe import build_recipe
     from pipelines.train.config import TrainRecipe
     from pipelines.train.trainer import run_training
@@ -134,6 +135,7 @@ def train_hsstore(store: str, target: Path, out: Path, seed: int, hp: dict[str, 
             "optimizer": {"lr": hp["lr"], "betas": list(hp["betas"]), "weight_decay": hp["weight_decay"], "grad_clip": hp["grad_clip"]},
             "schedule": {"warmup_steps": hp["warmup_steps"], "min_lr_ratio": hp["min_lr_ratio"]},
             "loader": {"token_budget": hp["token_budget"], "rows_per_batch": 1, "long_samples": "truncate"},
+            "loss_normalization": loss_normalization,
             "seed": seed,
             "device": device,
             "resume": False,
@@ -303,13 +305,15 @@ def stage_train(args: argparse.Namespace, trainer: str) -> None:
     paths = reference_paths(args)
     plan = json.loads(paths["plan"].read_text())
     target = Path(args.target)
+    if trainer == "hsstore" and args.loss_normalization != "scored":
+        trainer = f"hsstore_{args.loss_normalization}"  # a variant, reported beside the default
     for seed in args.seeds:
         out = paths["work"] / f"{trainer}-seed{seed}"
-        steps_key = "hsstore_steps" if trainer == "hsstore" else "specforge_steps"
+        steps_key = "specforge_steps" if trainer == "specforge" else "hsstore_steps"
         hp = hyperparameters(args, plan[steps_key][str(seed)])
-        if trainer == "hsstore":
-            summary = train_hsstore(str(paths["train_store"]), target, out, seed, hp, args.device)
-            export = export_eagle3(out, paths["work"] / f"hsstore-seed{seed}-export")
+        if trainer.startswith("hsstore"):
+            summary = train_hsstore(str(paths["train_store"]), target, out, seed, hp, args.device, args.loss_normalization)
+            export = export_eagle3(out, paths["work"] / f"{trainer}-seed{seed}-export")
             result = {"tokens_per_s": summary["tokens_per_s"], "train_seconds": summary["wall_s"],
                       "final_loss": summary["final_loss"], "steps": hp["steps"], "export_dir": str(export)}
         else:
@@ -384,9 +388,12 @@ def stage_report(args: argparse.Namespace) -> dict[str, Any]:
         if result.get("concurrent"):
             # trained beside other runs on the same device: its speed is not a clean figure
             result["tokens_per_s_concurrent"] = result.pop("tokens_per_s")
-        runs[result["trainer"]].append(result)
+        runs.setdefault(result["trainer"], []).append(result)
     ours, theirs = aggregate(runs["hsstore"]), aggregate(runs["specforge"])
+    variants = {name: aggregate(found) for name, found in runs.items() if name not in ("hsstore", "specforge")}
     return {
+        **{name: summary for name, summary in variants.items()},
+        **{f"verdicts_{name}": verdicts(summary, theirs) for name, summary in variants.items()},
         "steps": {"hsstore": plan["hsstore_steps"], "specforge": plan["specforge_steps"]},
         "epochs": plan["epochs"],
         "seeds": len(runs["hsstore"]),
@@ -592,6 +599,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=50, help="held-out prompts decoded per draft")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--heldout-samples", type=int, default=64)
+    parser.add_argument("--loss-normalization", choices=("scored", "tokens"), default="scored",
+                        help="train-hsstore: the trainer's loss_normalization (tokens: reported as hsstore_tokens)")
     parser.add_argument("--concurrent", action="store_true", help="this training runs beside others (its tokens/s is not reported)")
     parser.add_argument("--draft-root", default=None, help="decode: the exported drafts' folder, if moved")
     parser.add_argument("--redo", action="store_true", help="decode: again even where done")
