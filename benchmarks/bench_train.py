@@ -111,16 +111,7 @@ def extract_random(model: Any, target_dir: Path, store: Path, num_tokens: int, m
 
     cfg = model.config
     aux = [2, cfg.num_hidden_layers // 2, cfg.num_hidden_layers - 3]
-    found = ti.target_identity(target_dir)
-    lineage = hsstore.Lineage(
-        target=hsstore.TargetIdentity(
-            name_or_path=str(target_dir), architecture=found["architecture"], model_type=found["model_type"],
-            config_sha256=found["config_sha256"], weights_sha256=found["weight_files"],
-            num_hidden_layers=found["num_hidden_layers"], hidden_size=found["hidden_size"],
-            vocab_size=found["vocab_size"],
-        ),
-        aux_layer_ids=aux, max_length=max_length,
-    )
+    lineage = hsstore.Lineage(target=ti.identity_model(target_dir), aux_layer_ids=aux, max_length=max_length)
     specs = [hsstore.FeatureSpec(name="aux_hidden_states", shape=(len(aux), cfg.hidden_size)),
              hsstore.FeatureSpec(name="final_hidden_state", shape=(cfg.hidden_size,))]
     rng = np.random.default_rng(seed)

@@ -460,16 +460,7 @@ def random_store(store: Path, target: Path, shape: dict[str, Any], num_samples: 
         return str(store)
     hidden, layers = shape["hidden_size"], shape["num_hidden_layers"]
     aux = [2, layers // 2, layers - 3]
-    found = ti.target_identity(target)
-    lineage = hsstore.Lineage(
-        target=hsstore.TargetIdentity(
-            name_or_path=str(target), architecture=found["architecture"], model_type=found["model_type"],
-            config_sha256=found["config_sha256"], weights_sha256=found["weight_files"],
-            num_hidden_layers=found["num_hidden_layers"], hidden_size=found["hidden_size"],
-            vocab_size=found["vocab_size"],
-        ),
-        aux_layer_ids=aux, max_length=length,
-    )
+    lineage = hsstore.Lineage(target=ti.identity_model(target), aux_layer_ids=aux, max_length=length)
     specs = [hsstore.FeatureSpec(name="aux_hidden_states", shape=(len(aux), hidden)),
              hsstore.FeatureSpec(name="final_hidden_state", shape=(hidden,))]
     device = "cuda" if torch.cuda.is_available() else "cpu"

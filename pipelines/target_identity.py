@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from hsstore.aux_layers import default_aux_layer_ids  # noqa: F401  (re-exported: the one definition)
+from hsstore.lineage import TargetIdentity
 
 # Keys of config.json that record the writing software, not the model.
 _CONFIG_KEYS_IGNORED = ("transformers_version", "_name_or_path", "_commit_hash")
@@ -171,6 +172,25 @@ def target_identity(model_dir: str | Path, *, hash_weights: bool = True) -> dict
         "hidden_size": int(lm_config["hidden_size"]),
         "vocab_size": int(lm_config["vocab_size"]),
     }
+
+
+def identity_model(
+    model_dir: str | Path, *, name_or_path: str | None = None, dtype: str = "bfloat16"
+) -> TargetIdentity:
+    """:func:`target_identity` as the lineage's :class:`hsstore.TargetIdentity` (``name_or_path``:
+    what the user named, default the directory; ``dtype``: the compute dtype of extraction)."""
+    found = target_identity(model_dir)
+    return TargetIdentity(
+        name_or_path=str(model_dir) if name_or_path is None else name_or_path,
+        architecture=found["architecture"] or "",
+        model_type=found["model_type"] or "",
+        config_sha256=found["config_sha256"],
+        weights_sha256=found["weight_files"],
+        num_hidden_layers=found["num_hidden_layers"],
+        hidden_size=found["hidden_size"],
+        vocab_size=found["vocab_size"],
+        dtype=dtype,
+    )
 
 
 def read_chat_template(model_dir: str | Path) -> str | None:

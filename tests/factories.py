@@ -78,19 +78,9 @@ def write_store(url: str, num_samples: int = 12, shard_max_tokens: int = 200, co
 def reference_lineage(target_dir: Path, aux_layer_ids: list[int], max_length: int) -> Any:
     from pipelines import target_identity as ti
 
-    found = ti.target_identity(target_dir)
     return hsstore.Lineage(
-        target=hsstore.TargetIdentity(
-            name_or_path=str(target_dir),
-            architecture=found["architecture"],
-            model_type=found["model_type"],
-            config_sha256=found["config_sha256"],
-            weights_sha256=found["weight_files"],
-            num_hidden_layers=found["num_hidden_layers"],
-            hidden_size=found["hidden_size"],
-            vocab_size=found["vocab_size"],
-            dtype="float32",  # CPU bf16 matmuls are ~10x slower than float32 here
-        ),
+        # float32: CPU bf16 matmuls are ~10x slower than float32 here
+        target=ti.identity_model(target_dir, dtype="float32"),
         tokenizer_sha256=ti.tokenizer_sha256(target_dir),
         chat_template_sha256=ti.chat_template_sha256(ti.read_chat_template(target_dir)),
         aux_layer_ids=aux_layer_ids,

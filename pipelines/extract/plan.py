@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import hsstore
-from hsstore import FeatureSpec, Lineage, TargetIdentity
+from hsstore import FeatureSpec, Lineage
 from hsstore.errors import LineageMismatchError
 from hsstore.location import StoreLocation
 from pipelines.extract.capture import (
@@ -36,7 +36,7 @@ from pipelines.extract.worker import WorkUnit
 from pipelines.target_identity import (
     chat_template_sha256,
     default_aux_layer_ids,
-    target_identity,
+    identity_model,
     tokenizer_sha256,
 )
 
@@ -247,19 +247,8 @@ def build_lineage(
 ) -> Lineage:
     """The store's lineage, recorded in full (docs/design.md 'Lineage'); ``generation``: the
     lineage of each ``hsstore generate`` dataset among the inputs."""
-    identity = target_identity(target_dir)
     return Lineage(
-        target=TargetIdentity(
-            name_or_path=recipe.target,
-            architecture=identity["architecture"] or "",
-            model_type=identity["model_type"] or "",
-            config_sha256=identity["config_sha256"],
-            weights_sha256=identity["weight_files"],
-            num_hidden_layers=identity["num_hidden_layers"],
-            hidden_size=identity["hidden_size"],
-            vocab_size=identity["vocab_size"],
-            dtype=recipe.model.dtype,
-        ),
+        target=identity_model(target_dir, name_or_path=recipe.target, dtype=recipe.model.dtype),
         tokenizer_sha256=tokenizer_sha256(tokenizer_dir),
         chat_template_sha256=chat_template_sha256(
             getattr(tokenizer.tokenizer, "chat_template", None)
