@@ -176,7 +176,9 @@ def load_draft(
             f"{directory}: the weights omit embed_tokens (exported drafts share the target's); "
             "pass embed_tokens=<the target's input embedding weight>"
         )
-    optional = ("candidate_head.",) if config.candidate_rank is None else ()
+    optional: tuple[str, ...] = ("candidate_head.",) if config.candidate_rank is None else ()
+    if config.draft_vocab_size == config.vocab_size:
+        optional += ("d2t",)  # a full vocabulary needs no map (eagle-harness's layout has none)
     load_state_into(
         draft, tensors, str(directory / WEIGHTS_NAME), optional=(*optional, "embed_tokens.", "t2d")
     )
