@@ -133,3 +133,21 @@ def test_speculators_without_a_verifier_is_refused(tmp_path: Path) -> None:
     save_draft(draft, tmp_path / "draft")
     with pytest.raises(ExportError, match="needs the target the draft was trained for"):
         export_draft(tmp_path / "draft", "speculators", tmp_path / "out")
+
+
+def test_cli_exports_speculators_and_warns_what_eagle3_needs(tmp_path: Path, capsys, caplog) -> None:
+    from pipelines.cli import main as hsstore_main
+
+    save_draft(reference_draft(), tmp_path / "draft")
+    code = hsstore_main([
+        "export", str(tmp_path / "draft"), "--format", "speculators", "--verifier",
+        str(REFERENCE_TARGET), "--speculative-tokens", "5", "--out", str(tmp_path / "out"),
+    ])
+    assert code == 0, capsys.readouterr().err
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
+    assert config["speculators_model_type"] == "eagle3"
+    with caplog.at_level("WARNING"):
+        code = hsstore_main(["export", str(tmp_path / "draft"), "--out", str(tmp_path / "e3")])
+    assert code == 0
+    assert """--algorithm-kwargs '{"eagle_aux_hidden_state_layer_ids": [1, 4, 6]}'""" in caplog.text
