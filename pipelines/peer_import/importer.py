@@ -1,0 +1,190 @@
+"""``hsstore import``: a peer's per-sample dumps (SpecForge, speculators) streamed into a store.
+
+The lineage neither format records comes from the command line: the target directory (its
+identity, tokenizer and chat-template hashes, exactly as extraction records them, so that
+``hsstore train``'s lineage check works on the imported store), the aux layer ids in the Hugging
+Face ``hidden_states`` numbering, and for speculators what its final slot holds. Every file is
+checked against them (:mod:`pipelines.peer_import.sources`).
+
+Resumable: the files, in the order of the number in their names, are cut into units of
+``samples_per_shard``; unit u becomes shard ``import-<u>`` and is committed on its own, and a
+rerun skips the units already committed (the same source, flags and store give the same units).
+Files are read by a few threads ahead of the writer; any codec the store supports can be chosen
+(``--codec fp8_e4m3 --compression zstd`` is the compact preset).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import hsstore
+from hsstore import FeatureSpec, Lineage, TargetIdentity
+from hsstore.aux_layers import AUX_HIDDEN_STATES, FINAL_HIDDEN_STATE
+from pipelines.peer_import.sources import (
+    Expectation,
+    ImportSourceError,
+    SourceFile,
+    SpeculatorsSource,
+    list_source_files,
+    read_specforge,
+)
+from pipelines.target_identity import (
+    chat_template_sha256,
+    read_chat_template,
+    target_identity,
+    tokenizer_sha256,
+)
+
+SHARD_PREFIX = "import"
+CODE_VERSION = "hsstore-import-1"
+
+
+@dataclass
+class ImportSummary:
+    source: str
+    store: str
+    format: str
+    num_files: int
+    num_units: int
+    units_skipped: int
+    num_samples: int
+    num_tokens: int
+    source_bytes: int
+    seconds: float
+
+
+def import_lineage(
+    target_dir: str, aux_layer_ids: list[int], fingerprint: str, extra: dict[str, Any]
+) -> Lineage:
+    """The store's lineage, the target's identity computed as extraction computes it."""
+    identity = target_identity(target_dir)
+    if max(aux_layer_ids) > identity["num_hidden_layers"] or min(aux_layer_ids) < 0:
+        raise ImportSourceError(
+            f"--aux-layer-ids {aux_layer_ids}: the target has {identity['num_hidden_layers']} layers "
+            f"(ids 0..{identity['num_hidden_layers']} in the hidden_states numbering)"
+        )
+    return Lineage(
+        target=TargetIdentity(
+            name_or_path=target_dir,
+            architecture=identity["architecture"] or "",
+            model_type=identity["model_type"] or "",
+            config_sha256=identity["config_sha256"],
+            weights_sha256=identity["weight_files"],
+            num_hidden_layers=identity["num_hidden_layers"],
+            hidden_size=identity["hidden_size"],
+            vocab_size=identity["vocab_size"],
+        ),
+        tokenizer_sha256=tokenizer_sha256(target_dir),
+        chat_template_sha256=chat_template_sha256(read_chat_template(target_dir)),
+        aux_layer_ids=list(aux_layer_ids),
+        target_distribution="final_hidden",
+        data_fingerprint=fingerprint,
+        code_version=CODE_VERSION,
+        extra={"import": extra},
+    )
+
+
+def source_fingerprint(files: list[SourceFile]) -> str:
+    """Hash of the file names in import order: a rerun over another file list (another dump, or
+    another ``--limit``) is refused by the lineage check instead of mixing two imports. Sizes are
+    left out on purpose: a file torn by an interrupted copy and copied again is the same file."""
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(f"{file.relative_path}\n".encode())
+    return digest.hexdigest()
+
+
+def import_features(
+    source: str | os.PathLike[str],
+    store_url: str,
+    *,
+    format: str,  # noqa: A002 (the CLI's --from)
+    target: str,
+    aux_layer_ids: list[int],
+    final_state: str | None = None,
+    codec: str = "bf16",
+    compression: str = "none",
+    samples_per_shard: int = 1024,
+    read_threads: int = 4,
+    limit: int | None = None,
+    progress: bool = True,
+) -> ImportSummary:
+    """Import the dump at ``source`` into ``store_url`` (created, or resumed); see the module doc."""
+    start = time.perf_counter()
+    source = Path(source)
+    files = list_source_files(source, format)[:limit]
+    identity = target_identity(target, hash_weights=False)
+    expect = Expectation(len(aux_layer_ids), identity["hidden_size"], identity["vocab_size"])
+    if format == "speculators":
+        reader = SpeculatorsSource(source, final_state or "", target).read
+    elif final_state not in (None, "post_norm"):
+        raise ImportSourceError("SpecForge's hidden_state is the final state after the norm: --final-state post_norm")
+    else:
+        def reader(file: SourceFile, expect: Expectation) -> dict[str, torch.Tensor]:
+            return read_specforge(source, file, expect)
+    reader(files[0], expect)  # refuse a wrong lineage before the store exists
+    extra = {"from": format, "source": str(source.resolve()), "final_state": final_state or "post_norm"}
+    lineage = import_lineage(target, aux_layer_ids, source_fingerprint(files), extra)
+    features = [
+        FeatureSpec(name=AUX_HIDDEN_STATES, shape=(expect.num_aux_layers, expect.hidden_size), codec=codec, compression=compression),
+        FeatureSpec(name=FINAL_HIDDEN_STATE, shape=(expect.hidden_size,), codec=codec, compression=compression),
+    ]
+    hsstore.ensure_store(store_url, features=features, lineage=lineage)
+    done = hsstore.committed_shard_ids(store_url)
+    units = [files[i : i + samples_per_shard] for i in range(0, len(files), samples_per_shard)]
+    summary = ImportSummary(str(source), store_url, format, len(files), len(units), 0, 0, 0, 0, 0.0)
+    bar = _progress(len(files), progress)
+    with ThreadPoolExecutor(max(read_threads, 1), thread_name_prefix="hsstore-import") as pool:
+        for number, unit in enumerate(units):
+            shard_id = f"{SHARD_PREFIX}-{number:06d}"
+            if shard_id in done:
+                summary.units_skipped += 1
+                bar.update(len(unit))
+                continue
+            writer = hsstore.ShardWriter(store_url, shard_id, features)
+            try:
+                for file, sample in zip(unit, _read_ahead(pool, reader, unit, expect, read_threads), strict=True):
+                    writer.add_sample(
+                        sample_id=f"{format}:{file.relative_path}", source_id=file.relative_path,
+                        input_ids=sample["input_ids"].numpy(), loss_mask=sample["loss_mask"].numpy(),
+                        features={AUX_HIDDEN_STATES: sample["aux_hidden_states"], FINAL_HIDDEN_STATE: sample["final_hidden_state"]},
+                    )
+                    summary.num_samples += 1
+                    summary.num_tokens += int(sample["input_ids"].shape[0])
+                    summary.source_bytes += (source / file.relative_path).stat().st_size
+                    bar.update(1)
+                record = writer.finish()
+            except BaseException:
+                writer.abort()
+                raise
+            hsstore.commit_shards(store_url, [record], features=features, lineage=lineage)
+    bar.close()
+    summary.seconds = time.perf_counter() - start
+    return summary
+
+
+def _read_ahead(pool: ThreadPoolExecutor, reader: Any, unit: list[SourceFile], expect: Expectation, depth: int) -> Iterator[dict[str, torch.Tensor]]:
+    """The unit's samples in order, up to ``2 * depth`` files read ahead by the pool's threads."""
+    pending = []
+    ahead = max(2 * depth, 1)
+    for file in unit:
+        pending.append(pool.submit(reader, file, expect))
+        if len(pending) > ahead:
+            yield pending.pop(0).result()
+    for future in pending:
+        yield future.result()
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="sample", desc="import", disable=not enabled)
