@@ -43,8 +43,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="speculators (required): what the last hidden_states slot holds (hs-connectors: "
         "pre_norm, normed here with the target's final norm). SpecForge's is post_norm",
     )
-    parser.add_argument("--codec", default="bf16", help="feature codec (bf16, fp8_e4m3, float32)")
-    parser.add_argument("--compression", default="none", choices=("none", "zstd", "blosc"))
+    parser.add_argument("--codec", default=None, help="feature codec (bf16, fp8_e4m3, float32); default bf16")
+    parser.add_argument("--compression", default=None, choices=("none", "zstd", "blosc"), help="default none")
+    parser.add_argument(
+        "--teacher", default=None, choices=("final_hidden", "topk"),
+        help="keep the final state (default), or the target's top-k logits computed from it",
+    )
+    parser.add_argument("--topk-k", type=int, default=None, help="k for --teacher topk (default 20)")
+    parser.add_argument(
+        "--preset", choices=("compact",),
+        help="compact: fp8_e4m3 aux states, top-20 logits, zstd (docs/compact-store.md); the "
+        "flags above override it",
+    )
+    parser.add_argument("--device", default="cpu", help="where --teacher topk projects (cpu, cuda)")
     parser.add_argument("--samples-per-shard", type=int, default=1024, help="files per shard (the unit of resume)")
     parser.add_argument("--read-threads", type=int, default=4)
     parser.add_argument("--limit", type=int, default=None, help="import the first N files only")
@@ -53,12 +64,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_import(args: argparse.Namespace) -> int:
-    from pipelines.peer_import.importer import import_features
+    from pipelines.peer_import.importer import COMPACT, import_features
 
+    preset = dict(COMPACT) if args.preset == "compact" else {}
+    chosen = {
+        "codec": args.codec or preset.get("codec", "bf16"),
+        "compression": args.compression or preset.get("compression", "none"),
+        "teacher": args.teacher or preset.get("teacher", "final_hidden"),
+        "topk_k": args.topk_k or preset.get("topk_k", 20),
+    }
     summary = import_features(
         args.source, args.store, format=args.format, target=args.target,
-        aux_layer_ids=args.aux_layer_ids, final_state=args.final_state, codec=args.codec,
-        compression=args.compression, samples_per_shard=args.samples_per_shard,
+        aux_layer_ids=args.aux_layer_ids, final_state=args.final_state, **chosen,
+        device=args.device, samples_per_shard=args.samples_per_shard,
         read_threads=args.read_threads, limit=args.limit, progress=not args.no_progress,
     )
     print(json.dumps(asdict(summary), indent=2))

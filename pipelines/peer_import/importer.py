@@ -9,8 +9,10 @@ checked against them (:mod:`pipelines.peer_import.sources`).
 Resumable: the files, in the order of the number in their names, are cut into units of
 ``samples_per_shard``; unit u becomes shard ``import-<u>`` and is committed on its own, and a
 rerun skips the units already committed (the same source, flags and store give the same units).
-Files are read by a few threads ahead of the writer; any codec the store supports can be chosen
-(``--codec fp8_e4m3 --compression zstd`` is the compact preset).
+Files are read by a few threads ahead of the writer; any codec the store supports can be chosen.
+``teacher="topk"`` keeps the target's top-k logits instead of the final state, computed here from
+the (post-norm) final state with the target's lm_head as extraction computes them; with fp8 aux
+states and zstd that is the compact preset (docs/compact-store.md): ``--preset compact``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 
 import hsstore
 from hsstore import FeatureSpec, Lineage, TargetIdentity
-from hsstore.aux_layers import AUX_HIDDEN_STATES, FINAL_HIDDEN_STATE
+from hsstore.aux_layers import AUX_HIDDEN_STATES, FINAL_HIDDEN_STATE, TOPK_IDS, TOPK_LOGITS
 from pipelines.peer_import.sources import (
     Expectation,
     ImportSourceError,
@@ -46,6 +48,9 @@ from pipelines.target_identity import (
 
 SHARD_PREFIX = "import"
 CODE_VERSION = "hsstore-import-1"
+TEACHERS = ("final_hidden", "topk")
+# --preset compact: docs/compact-store.md's extraction preset, for imported features.
+COMPACT = {"codec": "fp8_e4m3", "compression": "zstd", "teacher": "topk", "topk_k": 20}
 
 
 @dataclass
@@ -63,7 +68,7 @@ class ImportSummary:
 
 
 def import_lineage(
-    target_dir: str, aux_layer_ids: list[int], fingerprint: str, extra: dict[str, Any]
+    target_dir: str, aux_layer_ids: list[int], fingerprint: str, extra: dict[str, Any], teacher: str
 ) -> Lineage:
     """The store's lineage, the target's identity computed as extraction computes it."""
     identity = target_identity(target_dir)
@@ -86,7 +91,7 @@ def import_lineage(
         tokenizer_sha256=tokenizer_sha256(target_dir),
         chat_template_sha256=chat_template_sha256(read_chat_template(target_dir)),
         aux_layer_ids=list(aux_layer_ids),
-        target_distribution="final_hidden",
+        target_distribution=teacher,
         data_fingerprint=fingerprint,
         code_version=CODE_VERSION,
         extra={"import": extra},
@@ -113,6 +118,9 @@ def import_features(
     final_state: str | None = None,
     codec: str = "bf16",
     compression: str = "none",
+    teacher: str = "final_hidden",
+    topk_k: int = 20,
+    device: str = "cpu",
     samples_per_shard: int = 1024,
     read_threads: int = 4,
     limit: int | None = None,
@@ -131,13 +139,15 @@ def import_features(
     else:
         def reader(file: SourceFile, expect: Expectation) -> dict[str, torch.Tensor]:
             return read_specforge(source, file, expect)
+    if teacher not in TEACHERS:
+        raise ImportSourceError(f"unknown teacher {teacher!r}; choose one of {', '.join(TEACHERS)}")
     reader(files[0], expect)  # refuse a wrong lineage before the store exists
     extra = {"from": format, "source": str(source.resolve()), "final_state": final_state or "post_norm"}
-    lineage = import_lineage(target, aux_layer_ids, source_fingerprint(files), extra)
-    features = [
-        FeatureSpec(name=AUX_HIDDEN_STATES, shape=(expect.num_aux_layers, expect.hidden_size), codec=codec, compression=compression),
-        FeatureSpec(name=FINAL_HIDDEN_STATE, shape=(expect.hidden_size,), codec=codec, compression=compression),
-    ]
+    if teacher == "topk":
+        extra["topk_k"] = topk_k
+    lineage = import_lineage(target, aux_layer_ids, source_fingerprint(files), extra, teacher)
+    features = feature_specs(expect, codec, compression, teacher, topk_k)
+    teacher_of = TopKTeacher(target, topk_k, device) if teacher == "topk" else None
     hsstore.ensure_store(store_url, features=features, lineage=lineage)
     done = hsstore.committed_shard_ids(store_url)
     units = [files[i : i + samples_per_shard] for i in range(0, len(files), samples_per_shard)]
@@ -153,10 +163,15 @@ def import_features(
             writer = hsstore.ShardWriter(store_url, shard_id, features)
             try:
                 for file, sample in zip(unit, _read_ahead(pool, reader, unit, expect, read_threads), strict=True):
+                    values = {AUX_HIDDEN_STATES: sample["aux_hidden_states"]}
+                    if teacher_of is None:
+                        values[FINAL_HIDDEN_STATE] = sample["final_hidden_state"]
+                    else:
+                        values[TOPK_LOGITS], values[TOPK_IDS] = teacher_of(sample["final_hidden_state"])
                     writer.add_sample(
                         sample_id=f"{format}:{file.relative_path}", source_id=file.relative_path,
                         input_ids=sample["input_ids"].numpy(), loss_mask=sample["loss_mask"].numpy(),
-                        features={AUX_HIDDEN_STATES: sample["aux_hidden_states"], FINAL_HIDDEN_STATE: sample["final_hidden_state"]},
+                        features=values,
                     )
                     summary.num_samples += 1
                     summary.num_tokens += int(sample["input_ids"].shape[0])
@@ -170,6 +185,51 @@ def import_features(
     bar.close()
     summary.seconds = time.perf_counter() - start
     return summary
+
+
+def feature_specs(
+    expect: Expectation, codec: str, compression: str, teacher: str, topk_k: int
+) -> list[FeatureSpec]:
+    """The store's features: the aux states in ``codec``, and the final state (same codec) or the
+    top-k logits (bf16) and ids (int32), everything with ``compression``."""
+    aux = FeatureSpec(
+        name=AUX_HIDDEN_STATES, shape=(expect.num_aux_layers, expect.hidden_size), codec=codec,
+        compression=compression,
+    )
+    if teacher == "final_hidden":
+        return [aux, FeatureSpec(name=FINAL_HIDDEN_STATE, shape=(expect.hidden_size,), codec=codec, compression=compression)]
+    return [
+        aux,
+        FeatureSpec(name=TOPK_LOGITS, shape=(topk_k,), codec="bf16", compression=compression),
+        FeatureSpec(name=TOPK_IDS, shape=(topk_k,), codec="int32", compression=compression),
+    ]
+
+
+class TopKTeacher:
+    """The target's top-k logits of a post-norm final state: ``lm_head(final)`` in float32 (with
+    the target's final-logit softcapping, as extraction applies it), k largest with their ids."""
+
+    def __init__(self, target_dir: str, k: int, device: str) -> None:
+        from pipelines.target_identity import read_config, text_config
+        from pipelines.train.target_heads import load_target_heads
+
+        heads = load_target_heads(target_dir)
+        self.device = torch.device(device)
+        self.lm_head_VH = heads.lm_head_VH.to(self.device, torch.float32)
+        self.softcap = text_config(read_config(target_dir)).get("final_logit_softcapping")
+        self.k = k
+
+    @torch.no_grad()
+    def __call__(self, final_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        values, ids = [], []
+        for chunk in final_TH.split(4096):
+            logits = chunk.to(self.device, torch.float32) @ self.lm_head_VH.T
+            if self.softcap:
+                logits = torch.tanh(logits / self.softcap) * self.softcap
+            top = logits.topk(self.k, dim=-1)
+            values.append(top.values.cpu())
+            ids.append(top.indices.to(torch.int32).cpu())
+        return torch.cat(values), torch.cat(ids)
 
 
 def _read_ahead(pool: ThreadPoolExecutor, reader: Any, unit: list[SourceFile], expect: Expectation, depth: int) -> Iterator[dict[str, torch.Tensor]]:

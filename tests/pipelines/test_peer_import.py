@@ -129,3 +129,32 @@ def test_an_interrupted_import_resumes_where_it_stopped(one_shard_store: str, tm
     for index in range(direct.num_samples):
         assert torch.equal(resumed.read_sample(index)["aux_hidden_states"].view(torch.int16),
                            direct.read_sample(index)["aux_hidden_states"].view(torch.int16))
+
+
+def test_the_compact_preset_keeps_the_targets_top_k_and_a_third_of_the_bytes(
+    one_shard_store: str, tmp_path: Path, capsys
+) -> None:
+    """--preset compact: fp8 aux states, the target's top-20 logits from the final state, zstd."""
+    from pipelines.train.target_heads import load_target_heads
+
+    export_features(one_shard_store, tmp_path / "sf", "specforge", progress=False)
+    argv = ["import", "--from", "specforge", str(tmp_path / "sf"), str(tmp_path / "compact"),
+            "--target", str(REFERENCE_TARGET), "--aux-layer-ids", "2,4,5", "--preset", "compact",
+            "--no-progress"]
+    assert hsstore_main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    imported, direct = hsstore.open_store(str(tmp_path / "compact")), hsstore.open_store(one_shard_store)
+    assert imported.lineage.target_distribution == "topk"
+    assert sorted(imported.features) == ["aux_hidden_states", "topk_ids", "topk_logits"]
+    assert imported.features["aux_hidden_states"].codec == "fp8_e4m3"
+    store_bytes = sum(p.stat().st_size for p in (tmp_path / "compact").rglob("*") if p.is_file())
+    assert store_bytes <= summary["source_bytes"] / 3, (store_bytes, summary["source_bytes"])
+    lm_head = load_target_heads(REFERENCE_TARGET).lm_head_VH.float()
+    for index in range(direct.num_samples):
+        want, got = direct.read_sample(index), imported.read_sample(index)
+        top = (want["final_hidden_state"].float() @ lm_head.T).topk(20, dim=-1)
+        assert torch.equal(got["topk_ids"].long(), top.indices)
+        torch.testing.assert_close(got["topk_logits"].float(), top.values, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(  # fp8 e4m3: 3 mantissa bits
+            got["aux_hidden_states"].float(), want["aux_hidden_states"].float(), rtol=0.07, atol=0.02
+        )
