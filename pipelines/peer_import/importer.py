@@ -108,6 +108,32 @@ def source_fingerprint(files: list[SourceFile]) -> str:
     return digest.hexdigest()
 
 
+@dataclass(frozen=True)
+class UnitJob:
+    """Everything a process needs to write one unit (picklable: ``--workers`` sends it)."""
+
+    source: Path
+    format: str
+    target: str
+    final_state: str | None
+    expect: Expectation
+    features: tuple[FeatureSpec, ...]
+    teacher: str
+    topk_k: int
+    device: str
+    store_url: str
+    read_threads: int
+    torch_threads: int | None = None  # in a worker process: its share of the cores
+
+
+@dataclass
+class UnitResult:
+    record: hsstore.ShardRecord
+    num_samples: int
+    num_tokens: int
+    source_bytes: int
+
+
 def import_features(
     source: str | os.PathLike[str],
     store_url: str,
@@ -123,68 +149,115 @@ def import_features(
     device: str = "cpu",
     samples_per_shard: int = 1024,
     read_threads: int = 4,
+    workers: int = 1,
     limit: int | None = None,
     progress: bool = True,
 ) -> ImportSummary:
-    """Import the dump at ``source`` into ``store_url`` (created, or resumed); see the module doc."""
+    """Import the dump at ``source`` into ``store_url`` (created, or resumed); see the module doc.
+    ``workers`` > 1 writes that many units at once, each in its own process (decoding, encoding
+    and compression are CPU work); the units are committed as they finish."""
     start = time.perf_counter()
     source = Path(source)
     files = list_source_files(source, format)[:limit]
     identity = target_identity(target, hash_weights=False)
     expect = Expectation(len(aux_layer_ids), identity["hidden_size"], identity["vocab_size"])
-    if format == "speculators":
-        reader = SpeculatorsSource(source, final_state or "", target).read
-    elif final_state not in (None, "post_norm"):
+    if format == "specforge" and final_state not in (None, "post_norm"):
         raise ImportSourceError("SpecForge's hidden_state is the final state after the norm: --final-state post_norm")
-    else:
-        def reader(file: SourceFile, expect: Expectation) -> dict[str, torch.Tensor]:
-            return read_specforge(source, file, expect)
     if teacher not in TEACHERS:
         raise ImportSourceError(f"unknown teacher {teacher!r}; choose one of {', '.join(TEACHERS)}")
-    reader(files[0], expect)  # refuse a wrong lineage before the store exists
+    job = UnitJob(
+        source, format, target, final_state, expect,
+        tuple(feature_specs(expect, codec, compression, teacher, topk_k)), teacher, topk_k, device,
+        store_url, read_threads, max(1, (os.cpu_count() or 1) // workers) if workers > 1 else None,
+    )
+    _reader(job)(files[0], expect)  # refuse a wrong lineage before the store exists
     extra = {"from": format, "source": str(source.resolve()), "final_state": final_state or "post_norm"}
     if teacher == "topk":
         extra["topk_k"] = topk_k
     lineage = import_lineage(target, aux_layer_ids, source_fingerprint(files), extra, teacher)
-    features = feature_specs(expect, codec, compression, teacher, topk_k)
-    teacher_of = TopKTeacher(target, topk_k, device) if teacher == "topk" else None
-    hsstore.ensure_store(store_url, features=features, lineage=lineage)
+    hsstore.ensure_store(store_url, features=job.features, lineage=lineage)
     done = hsstore.committed_shard_ids(store_url)
     units = [files[i : i + samples_per_shard] for i in range(0, len(files), samples_per_shard)]
     summary = ImportSummary(str(source), store_url, format, len(files), len(units), 0, 0, 0, 0, 0.0)
+    todo = [(f"{SHARD_PREFIX}-{n:06d}", unit) for n, unit in enumerate(units)]
+    summary.units_skipped = sum(shard_id in done for shard_id, _ in todo)
+    todo = [(shard_id, unit) for shard_id, unit in todo if shard_id not in done]
     bar = _progress(len(files), progress)
-    with ThreadPoolExecutor(max(read_threads, 1), thread_name_prefix="hsstore-import") as pool:
-        for number, unit in enumerate(units):
-            shard_id = f"{SHARD_PREFIX}-{number:06d}"
-            if shard_id in done:
-                summary.units_skipped += 1
-                bar.update(len(unit))
-                continue
-            writer = hsstore.ShardWriter(store_url, shard_id, features)
-            try:
-                for file, sample in zip(unit, _read_ahead(pool, reader, unit, expect, read_threads), strict=True):
-                    values = {AUX_HIDDEN_STATES: sample["aux_hidden_states"]}
-                    if teacher_of is None:
-                        values[FINAL_HIDDEN_STATE] = sample["final_hidden_state"]
-                    else:
-                        values[TOPK_LOGITS], values[TOPK_IDS] = teacher_of(sample["final_hidden_state"])
-                    writer.add_sample(
-                        sample_id=f"{format}:{file.relative_path}", source_id=file.relative_path,
-                        input_ids=sample["input_ids"].numpy(), loss_mask=sample["loss_mask"].numpy(),
-                        features=values,
-                    )
-                    summary.num_samples += 1
-                    summary.num_tokens += int(sample["input_ids"].shape[0])
-                    summary.source_bytes += (source / file.relative_path).stat().st_size
-                    bar.update(1)
-                record = writer.finish()
-            except BaseException:
-                writer.abort()
-                raise
-            hsstore.commit_shards(store_url, [record], features=features, lineage=lineage)
+    bar.update(len(files) - sum(len(unit) for _, unit in todo))
+
+    def committed(result: UnitResult) -> None:
+        hsstore.commit_shards(store_url, [result.record], features=job.features, lineage=lineage)
+        summary.num_samples += result.num_samples
+        summary.num_tokens += result.num_tokens
+        summary.source_bytes += result.source_bytes
+        bar.update(result.num_samples)
+
+    if workers <= 1:
+        for shard_id, unit in todo:
+            committed(write_unit(job, shard_id, unit))
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        context = multiprocessing.get_context("spawn")  # torch and threads: no fork
+        with ProcessPoolExecutor(workers, mp_context=context) as pool:
+            futures = [pool.submit(write_unit, job, shard_id, unit) for shard_id, unit in todo]
+            for future in as_completed(futures):
+                committed(future.result())
     bar.close()
     summary.seconds = time.perf_counter() - start
     return summary
+
+
+_READERS: dict[tuple[Any, ...], Any] = {}
+_TEACHERS: dict[tuple[Any, ...], TopKTeacher] = {}
+
+
+def _reader(job: UnitJob) -> Any:
+    """The job's sample reader, built once per process (speculators' opens its dataset)."""
+    key = (job.source, job.format, job.target, job.final_state)
+    if key not in _READERS:
+        if job.format == "speculators":
+            _READERS[key] = SpeculatorsSource(job.source, job.final_state or "", job.target).read
+        else:
+            _READERS[key] = lambda file, expect: read_specforge(job.source, file, expect)
+    return _READERS[key]
+
+
+def write_unit(job: UnitJob, shard_id: str, unit: list[SourceFile]) -> UnitResult:
+    """Write ``unit`` as shard ``shard_id`` (finished, not committed: the caller commits)."""
+    if job.torch_threads is not None and torch.get_num_threads() != job.torch_threads:
+        torch.set_num_threads(job.torch_threads)  # N processes x all cores each would thrash
+    reader = _reader(job)
+    teacher_of = None
+    if job.teacher == "topk":
+        key = (job.target, job.topk_k, job.device)
+        if key not in _TEACHERS:
+            _TEACHERS[key] = TopKTeacher(job.target, job.topk_k, job.device)
+        teacher_of = _TEACHERS[key]
+    writer = hsstore.ShardWriter(job.store_url, shard_id, list(job.features))
+    num_tokens = source_bytes = 0
+    try:
+        with ThreadPoolExecutor(max(job.read_threads, 1), thread_name_prefix="hsstore-import") as pool:
+            samples = _read_ahead(pool, reader, unit, job.expect, job.read_threads)
+            for file, sample in zip(unit, samples, strict=True):
+                values = {AUX_HIDDEN_STATES: sample["aux_hidden_states"]}
+                if teacher_of is None:
+                    values[FINAL_HIDDEN_STATE] = sample["final_hidden_state"]
+                else:
+                    values[TOPK_LOGITS], values[TOPK_IDS] = teacher_of(sample["final_hidden_state"])
+                writer.add_sample(
+                    sample_id=f"{job.format}:{file.relative_path}", source_id=file.relative_path,
+                    input_ids=sample["input_ids"].numpy(), loss_mask=sample["loss_mask"].numpy(),
+                    features=values,
+                )
+                num_tokens += int(sample["input_ids"].shape[0])
+                source_bytes += (job.source / file.relative_path).stat().st_size
+        record = writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    return UnitResult(record, len(unit), num_tokens, source_bytes)
 
 
 def feature_specs(

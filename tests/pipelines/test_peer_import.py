@@ -158,3 +158,18 @@ def test_the_compact_preset_keeps_the_targets_top_k_and_a_third_of_the_bytes(
         torch.testing.assert_close(  # fp8 e4m3: 3 mantissa bits
             got["aux_hidden_states"].float(), want["aux_hidden_states"].float(), rtol=0.07, atol=0.02
         )
+
+
+def test_workers_write_units_in_processes_to_the_same_store(one_shard_store: str, tmp_path: Path) -> None:
+    export_features(one_shard_store, tmp_path / "sf", "specforge", progress=False)
+    common = dict(format="specforge", target=str(REFERENCE_TARGET), aux_layer_ids=AUX, samples_per_shard=3, progress=False)
+    import_features(tmp_path / "sf", str(tmp_path / "one"), **common)
+    summary = import_features(tmp_path / "sf", str(tmp_path / "two"), workers=2, **common)
+    one, two = hsstore.open_store(str(tmp_path / "one")), hsstore.open_store(str(tmp_path / "two"))
+    assert summary.num_units > 2 and [s.shard_id for s in one.shards] == [s.shard_id for s in two.shards]
+    for index in range(one.num_samples):
+        a, b = one.read_sample(index), two.read_sample(index)
+        for key in ("input_ids", "loss_mask"):
+            assert torch.equal(a[key], b[key])
+        for key in ("aux_hidden_states", "final_hidden_state"):
+            assert torch.equal(a[key].view(torch.int16), b[key].view(torch.int16))
