@@ -42,7 +42,7 @@ VARIANTS = {"eagle3": (False, False), "eagle31": (True, True)}  # name -> (fc_no
 TREE = {"draft_top_k": 8, "draft_depth": 5, "total_draft_tokens": 31, "temperature": 0.0}
 
 
-def ensure_store(store: Path, target: str, limit: int | None, device: str) -> None:
+def ensure_store(store: Path, target: str, limit: int | None, device: str, extra: list[str]) -> None:
     """Extract the reference store when it is missing and ``limit`` allows it."""
     import hsstore
     from hsstore.errors import StoreNotFoundError
@@ -71,6 +71,7 @@ def ensure_store(store: Path, target: str, limit: int | None, device: str) -> No
             "executor=local",
             f"model.device={device}",
             "model.dtype=" + ("bfloat16" if device == "cuda" else "float32"),
+            *extra,
         ],
     )
     run_extraction(recipe)
@@ -136,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--extract-limit", type=int, default=None, help="extract a missing store from N records")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="train recipe override (both drafts)")
+    parser.add_argument("--extract-set", action="append", default=[], metavar="KEY=VALUE", help="extract recipe override (with --extract-limit)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "eagle31.json")
     args = parser.parse_args(argv)
 
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    ensure_store(args.store, args.target, args.extract_limit, args.device)
+    ensure_store(args.store, args.target, args.extract_limit, args.device, args.extract_set)
     results: dict[str, Any] = {"steps": args.steps}
     details: dict[str, Any] = {}
     for name, (fc_norm, norm_output) in VARIANTS.items():
