@@ -1,10 +1,16 @@
 PYTHON ?= python3
 
-.PHONY: install test test-fast lint typecheck demo bench-store
+.PHONY: install peers test test-fast lint typecheck demo bench-store
 
 install:
 	$(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -m pip install -q -e ".[test,dev]"
+
+# speculators 0.9.0 for the export tests (tests/pipelines/export/test_speculators.py): its
+# import-time dependencies from the extra, the package itself without its CUDA-torch pins.
+peers: install
+	$(PYTHON) -m pip install -q -e ".[peers]"
+	$(PYTHON) -m pip install -q --no-deps speculators==0.9.0
 
 # The README's test command; .ci/run calls exactly this.
 test: install

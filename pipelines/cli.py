@@ -24,6 +24,7 @@ SUBCOMMAND_MODULES = (
     "pipelines.extract.cli",
     "pipelines.train.cli",
     "pipelines.export.cli",
+    "pipelines.peer_import.cli",
     "pipelines.evaluate.cli",
     "pipelines.sweep.cli",
     "pipelines.demo",

@@ -160,7 +160,7 @@ class TreeDrafter:
                 raise ValueError(
                     f"draft_top_k={top_k} exceeds the draft's candidate head count {num_candidates}"
                 )
-            normed_FD = draft.norm(hidden_FD)
+            normed_FD = draft.head_input(hidden_FD)
             approx_FV = draft.candidate_head(normed_FD).float()
             cand_ids_FC = approx_FV.topk(num_candidates, dim=-1).indices
             exact_FC = torch.einsum(
@@ -188,6 +188,7 @@ class TreeDrafter:
         kv = self.cache
         num_prefix = self.num_positions
         window = self.draft.config.sliding_window
+        window_mode = self.draft.config.window_mode
 
         def expand(
             frontier: list[int], pool: DraftTree
@@ -195,9 +196,11 @@ class TreeDrafter:
             nonlocal kv
             num_cached, num_front = kv[0].shape[2], len(frontier)
             position = num_prefix - 1 + pool.depths[frontier[0]]  # the frontier shares a depth
-            # As in TTT: a step-0 key at position p is visible iff position - p < window; the
-            # node's own drafted ancestors always are.
-            visible_from = 0 if window is None else max(0, position - window + 1)
+            # As in TTT: a step-0 key at position p is visible iff end - p < window, where the
+            # window ends at the root (window_mode "context": W context keys, as eagle-harness
+            # serves) or at the node itself ("position"); its drafted ancestors always are.
+            end = position if window_mode == "position" else num_prefix - 1
+            visible_from = 0 if window is None else max(0, end - window + 1)
             mask_FS = torch.zeros(num_front, num_cached + num_front, dtype=torch.bool)
             mask_FS[:, visible_from:num_prefix] = True
             for row, node in enumerate(frontier):

@@ -1,5 +1,5 @@
-"""``hsstore export CHECKPOINT --format {eagle3,eagle4} --out DIR`` (parsers only; torch is
-imported by the handler)."""
+"""``hsstore export CHECKPOINT --format {eagle3,speculators,eagle4} --out DIR`` (parsers only;
+torch is imported by the handler)."""
 
 from __future__ import annotations
 
@@ -9,19 +9,24 @@ import argparse
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "export",
-        help="write a trained draft in the vLLM/SGLang EAGLE-3 (or EAGLE-4) serving layout",
+        help="write a trained draft in a layout a serving engine loads (eagle3, speculators, eagle4)",
         description=(
             "Export CHECKPOINT (a training run's folder, whose checkpoints/final is used; a "
             "training checkpoint directory holding draft/; or a directory with config.json + "
-            "model.safetensors) as LlamaForCausalLMEagle3: config.json + model.safetensors, "
-            "without embed_tokens unless --include-embed-tokens. See docs/serving-layouts.md."
+            "model.safetensors) as config.json + model.safetensors: eagle3 = "
+            "LlamaForCausalLMEagle3 (vLLM, SGLang); speculators = speculators' model format "
+            "(vLLM with no conversion, the aux layer ids and embedding included); eagle4 = "
+            "eagle-harness's LlamaForCausalLMEagle4. See docs/serving-layouts.md."
         ),
     )
     parser.add_argument(
         "checkpoint", metavar="CHECKPOINT", help="training run folder or checkpoint directory"
     )
     parser.add_argument(
-        "--format", choices=("eagle3", "eagle4"), default="eagle3", help="serving layout"
+        "--format",
+        choices=("eagle3", "speculators", "eagle4"),
+        default="eagle3",
+        help="serving layout",
     )
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory")
     parser.add_argument(
@@ -34,8 +39,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--include-embed-tokens",
         action="store_true",
-        help="also write embed_tokens.weight (the target's embedding), for converters such as "
-        "vLLM's speculators that load the draft's embedding; vLLM/SGLang do not need it",
+        help="eagle3/eagle4: also write embed_tokens.weight (the target's embedding); the "
+        "engines share the target's. speculators always includes it",
+    )
+    parser.add_argument(
+        "--verifier",
+        metavar="NAME_OR_PATH",
+        help="speculators: the target (Hugging Face id or path) recorded as the verifier; default "
+        "the training run's recipe target",
+    )
+    parser.add_argument(
+        "--speculative-tokens",
+        type=int,
+        metavar="N",
+        help="speculators: the greedy proposal's draft length; default the run's ttt_length (else 3)",
+    )
+    parser.add_argument(
+        "--expand-vocab",
+        action="store_true",
+        help="eagle4: write a reduced-vocabulary draft's heads over the full vocabulary (rows of "
+        "target ids outside the draft vocabulary are zero)",
+    )
+    parser.add_argument(
+        "--eagle31-keys",
+        action="store_true",
+        help="eagle3: write an EAGLE-3.1 draft's fc_norm/norm_output (vLLM and TensorRT-LLM read "
+        "them; SGLang's LlamaForCausalLMEagle3 ignores them)",
     )
     parser.set_defaults(func=run_export)
     register_export_features(subparsers)
@@ -51,6 +80,10 @@ def run_export(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         overwrite=args.overwrite,
         include_embed_tokens=args.include_embed_tokens,
+        verifier=args.verifier,
+        speculative_tokens=args.speculative_tokens,
+        expand_vocab=args.expand_vocab,
+        eagle31_keys=args.eagle31_keys,
     )
     print(f"exported {args.format} draft to {out}")
     return 0

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from hsstore.errors import HsstoreError
 from pipelines.models.eagle3 import Eagle3Config, Eagle3Draft
+from pipelines.models.eagle3_config import upgrade_saved_config
 from pipelines.models.serving_layout import (
     config_from_serving,
     is_serving_config,
@@ -98,7 +99,7 @@ def read_draft_config(directory: Path, aux_layer_ids: list[int] | None = None) -
     try:
         if is_serving_config(raw):
             return config_from_serving(raw, aux_layer_ids)
-        config = Eagle3Config.model_validate(raw)
+        config = Eagle3Config.model_validate(upgrade_saved_config(raw))
     except ValueError as err:
         raise DraftCheckpointError(f"{config_path}: not a valid draft config: {err}") from err
     if aux_layer_ids is not None:
@@ -175,7 +176,9 @@ def load_draft(
             f"{directory}: the weights omit embed_tokens (exported drafts share the target's); "
             "pass embed_tokens=<the target's input embedding weight>"
         )
-    optional = ("candidate_head.",) if config.candidate_rank is None else ()
+    optional: tuple[str, ...] = ("candidate_head.",) if config.candidate_rank is None else ()
+    if config.draft_vocab_size == config.vocab_size:
+        optional += ("d2t",)  # a full vocabulary needs no map (eagle-harness's layout has none)
     load_state_into(
         draft, tensors, str(directory / WEIGHTS_NAME), optional=(*optional, "embed_tokens.", "t2d")
     )

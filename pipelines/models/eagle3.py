@@ -10,19 +10,21 @@ output at TTT depth > 0), ``x = cat([input_layernorm(embed(token_{t+1})), hidden
 embeddings first), attention on x with the residual being h itself, a SiLU MLP, and the pre-norm
 output is what the next depth gets back as h. Logits are ``lm_head(norm(out))`` over the draft
 vocabulary; ``d2t`` maps a draft id to its target id.
+
+EAGLE-3.1 (``fc_norm``, ``norm_output``): each aux state is RMS-normed before fc, and the next
+depth gets ``norm(out)`` (what lm_head reads) instead of ``out``.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
+from pipelines.models.eagle3_config import Eagle3Config  # noqa: F401 (re-exported)
 from pipelines.models.ttt_attention import (
     EagerTTTAttention,
     FlexTTTAttention,
@@ -31,122 +33,6 @@ from pipelines.models.ttt_attention import (
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 TTTAttention = EagerTTTAttention | SegmentedTTTAttention | FlexTTTAttention
-
-
-class Eagle3Config(BaseModel):
-    """Shape of a draft; saved as ``config.json`` next to its weights in project checkpoints."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    format_version: Literal[1] = 1
-    hidden_size: int = Field(
-        gt=0, description="draft hidden size H (the engines need H == target's)"
-    )
-    num_attention_heads: int = Field(gt=0)
-    num_key_value_heads: int = Field(gt=0, description="GQA: query heads share kv heads")
-    head_dim: int = Field(gt=0)
-    intermediate_size: int = Field(gt=0, description="SiLU MLP width")
-    rms_norm_eps: float = Field(default=1e-6, gt=0)
-    rope_theta: float = Field(default=10000.0, gt=0, description="from the target config")
-    rope_scaling: dict[str, Any] | None = Field(
-        default=None, description="None or the target's llama3 rope scaling dict"
-    )
-    max_position_embeddings: int = Field(default=4096, gt=0)
-    vocab_size: int = Field(gt=0, description="the TARGET vocabulary size (embed_tokens rows)")
-    draft_vocab_size: int = Field(gt=0, description="lm_head rows; <= vocab_size")
-    target_hidden_size: int = Field(gt=0, description="H_target: fc takes K * H_target inputs")
-    aux_layer_ids: list[int] = Field(
-        min_length=1, description="hidden_states[i] convention: the state entering decoder layer i"
-    )
-    sliding_window: int | None = Field(
-        default=None,
-        gt=0,
-        description="EAGLE-4: attend only to keys less than this many positions back",
-    )
-    candidate_rank: int | None = Field(
-        default=None, gt=0, description="EAGLE-4 stage 2 head rank r"
-    )
-    num_candidates: int | None = Field(
-        default=None, gt=0, description="K candidates rescored exactly"
-    )
-    target_architecture: str | None = Field(default=None, description="e.g. Qwen3ForCausalLM")
-
-    @model_validator(mode="after")
-    def _check(self) -> Eagle3Config:
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
-        if self.draft_vocab_size > self.vocab_size:
-            raise ValueError(
-                f"draft_vocab_size={self.draft_vocab_size} exceeds the target vocab_size={self.vocab_size}"
-            )
-        if self.num_candidates is not None and self.candidate_rank is None:
-            raise ValueError("num_candidates is set but candidate_rank is not")
-        if self.num_candidates is not None and self.num_candidates > self.draft_vocab_size:
-            raise ValueError(
-                f"num_candidates={self.num_candidates} exceeds draft_vocab_size={self.draft_vocab_size}"
-            )
-        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in ("default", "llama3"):
-            raise ValueError(f"rope_scaling type {rope_type!r} is not supported (default, llama3)")
-        return self
-
-    @property
-    def num_aux_layers(self) -> int:
-        return len(self.aux_layer_ids)
-
-    @classmethod
-    def from_target_config(
-        cls,
-        hf_config: Any,
-        *,
-        draft_vocab_size: int | None = None,
-        aux_layer_ids: list[int] | None = None,
-        sliding_window: int | None = None,
-        **overrides: Any,
-    ) -> Eagle3Config:
-        """Derive the draft's shape from a target's Hugging Face config (object or dict).
-
-        The draft copies the target's width, heads, MLP width, norm eps and RoPE so that it can
-        share the target's embeddings. ``aux_layer_ids`` defaults to vLLM's and SGLang's
-        ``[2, L//2, L-3]`` (hidden_states convention). ``overrides`` set any other field.
-        """
-        if hasattr(hf_config, "get_text_config"):
-            hf_config = hf_config.get_text_config()
-        cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
-        num_layers = int(cfg["num_hidden_layers"])
-        hidden = int(cfg["hidden_size"])
-        heads = int(cfg["num_attention_heads"])
-        # transformers 5 keeps rope settings in ``rope_parameters``; 4.x in rope_theta/rope_scaling.
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        rope_scaling = None
-        if rope_type not in (None, "default"):
-            rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-        values: dict[str, Any] = {
-            "hidden_size": hidden,
-            "num_attention_heads": heads,
-            "num_key_value_heads": int(cfg.get("num_key_value_heads") or heads),
-            "head_dim": int(cfg.get("head_dim") or hidden // heads),
-            "intermediate_size": int(cfg["intermediate_size"]),
-            "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
-            "rope_theta": rope_theta,
-            "rope_scaling": rope_scaling,
-            "max_position_embeddings": int(cfg.get("max_position_embeddings", 4096)),
-            "vocab_size": int(cfg["vocab_size"]),
-            "draft_vocab_size": int(draft_vocab_size or cfg["vocab_size"]),
-            "target_hidden_size": hidden,
-            "aux_layer_ids": list(aux_layer_ids or [2, num_layers // 2, num_layers - 3]),
-            "sliding_window": sliding_window,
-            "target_architecture": (cfg.get("architectures") or [None])[0],
-        }
-        values.update(overrides)
-        return cls(**values)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,7 +213,7 @@ class CandidateHead(nn.Module):
 
 @dataclass
 class Eagle3Output:
-    hidden_BTD: torch.Tensor  # pre-norm layer output: the h fed back at the next depth
+    hidden_BTD: torch.Tensor  # the h fed back at the next depth: pre-norm (post-norm with norm_output)
     past_key_values: KVCache | None  # (k, v) [B, kv_heads, S, head_dim] with RoPE applied
 
 
@@ -342,6 +228,13 @@ class Eagle3Draft(nn.Module):
         # Copied from the target and frozen; the engines share the target's, so it is not exported.
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
+        # EAGLE-3.1: one RMSNorm per aux layer over its H_t features, before the concatenation.
+        self.fc_norm: nn.ModuleList | None = None
+        if config.fc_norm:
+            self.fc_norm = nn.ModuleList(
+                RMSNorm(config.target_hidden_size, config.rms_norm_eps)
+                for _ in range(config.num_aux_layers)
+            )
         self.fc = nn.Linear(
             config.num_aux_layers * config.target_hidden_size, config.hidden_size, bias=False
         )
@@ -376,10 +269,17 @@ class Eagle3Draft(nn.Module):
         self.t2d.copy_(t2d.to(torch.bool))
 
     def fuse_aux(self, aux: torch.Tensor) -> torch.Tensor:
-        """fc over the K aux states, layer-major: [B, T, K, H_t] or [B, T, K*H_t] -> [B, T, H]."""
+        """fc over the K aux states, layer-major: [B, T, K, H_t] or [B, T, K*H_t] -> [B, T, H]
+        (EAGLE-3.1: each aux state RMS-normed first, ``fc_norm``)."""
+        cfg = self.config
+        aux = aux.to(self.fc.weight.dtype)
+        if self.fc_norm is not None:
+            if aux.dim() != 4:
+                aux = aux.unflatten(-1, (cfg.num_aux_layers, cfg.target_hidden_size))
+            aux = torch.stack([norm(aux[..., k, :]) for k, norm in enumerate(self.fc_norm)], dim=-2)
         if aux.dim() == 4:
             aux = aux.flatten(-2)
-        return self.fc(aux.to(self.fc.weight.dtype))
+        return self.fc(aux)
 
     def forward(
         self,
@@ -404,17 +304,25 @@ class Eagle3Draft(nn.Module):
         hidden, kv = self.midlayer(
             embeds, hidden_BTD, position_ids_BT, attention_mask, past_key_values, ttt, depth
         )
+        if self.config.norm_output:  # EAGLE-3.1: the next depth gets the final-normed hidden
+            hidden = self.norm(hidden)
         return Eagle3Output(hidden_BTD=hidden, past_key_values=kv if use_cache else None)
 
+    def head_input(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
+        """What lm_head (and the candidate head) read from a forward's ``hidden_BTD``: its final
+        norm, or the hidden itself when ``norm_output`` already normed it (normed once, as the
+        engines do)."""
+        return hidden_BTD if self.config.norm_output else self.norm(hidden_BTD)
+
     def compute_logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
-        """Logits over the DRAFT vocabulary from the pre-norm hidden output."""
-        return self.lm_head(self.norm(hidden_BTD))
+        """Logits over the DRAFT vocabulary from a forward's ``hidden_BTD``."""
+        return self.lm_head(self.head_input(hidden_BTD))
 
     def compute_candidate_logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
         """Low-rank (EAGLE-4 stage 2) logits over the draft vocabulary."""
         if self.candidate_head is None:
             raise ValueError("this draft has no candidate head (config.candidate_rank is None)")
-        return self.candidate_head(self.norm(hidden_BTD))
+        return self.candidate_head(self.head_input(hidden_BTD))
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -2,7 +2,10 @@
 
 One place knows how a project draft maps onto what the engines load, so that export writes it and
 ``load_draft`` reads it back (ours or a third-party EAGLE-3 checkpoint) with the same rules.
-docs/serving-layouts.md explains every key and which engine reads it.
+docs/serving-layouts.md explains every key and which engine reads it. The two other layouts
+export writes live beside it (``speculators_layout``: vLLM's speculators format;
+``eagle4_layout``: eagle-harness's ``LlamaForCausalLMEagle4``); :func:`is_serving_config` and
+:func:`config_from_serving` recognise all three.
 
 Aux layer ids: the project (and vLLM) use the ``hidden_states[i]`` convention: id i is the state
 entering decoder layer i. vLLM reads the top-level ``eagle_aux_hidden_state_layer_ids`` in that
@@ -16,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pipelines.models.eagle3 import Eagle3Config
+from pipelines.models.eagle3_config import Eagle3Config
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -34,14 +37,16 @@ NOT_EXPORTED = ("embed_tokens.weight",)
 HSSTORE_KEY = "hsstore_draft_config"
 
 
-def serving_config(config: Eagle3Config, *, fmt: str, torch_dtype: str) -> dict[str, Any]:
-    """The exported ``config.json`` for format ``eagle3`` or ``eagle4``."""
-    aux_ids = list(config.aux_layer_ids)
-    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
+def rope_parameters(config: Eagle3Config) -> dict[str, Any]:
+    """transformers 5's ``rope_parameters`` of the draft (the target's RoPE)."""
     if config.rope_scaling:
-        rope_parameters = {**config.rope_scaling, "rope_theta": config.rope_theta}
-    out: dict[str, Any] = {
-        "architectures": [ARCHITECTURE],
+        return {**config.rope_scaling, "rope_theta": config.rope_theta}
+    return {"rope_type": "default", "rope_theta": config.rope_theta}
+
+
+def llama_layer_keys(config: Eagle3Config) -> dict[str, Any]:
+    """The one-layer Llama shape every layout states (transformers reads it as a LlamaConfig)."""
+    return {
         "model_type": "llama",
         "num_hidden_layers": 1,
         "hidden_size": config.hidden_size,
@@ -51,18 +56,43 @@ def serving_config(config: Eagle3Config, *, fmt: str, torch_dtype: str) -> dict[
         "head_dim": config.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": config.rms_norm_eps,
-        # transformers 4.x (and the engines built on it) read rope_theta/rope_scaling;
-        # transformers 5 reads rope_parameters. Both say the same thing.
-        "rope_theta": config.rope_theta,
-        "rope_scaling": config.rope_scaling,
-        "rope_parameters": rope_parameters,
         "max_position_embeddings": config.max_position_embeddings,
         "attention_bias": False,
         "mlp_bias": False,
         "vocab_size": config.vocab_size,
+        "tie_word_embeddings": False,
+    }
+
+
+def window_keys(config: Eagle3Config) -> dict[str, Any]:
+    """vLLM's (and eagle-harness's) window keys: ``layer_types`` + ``sliding_window``."""
+    if config.sliding_window is None:
+        return {}
+    return {
+        "sliding_window": config.sliding_window,
+        "layer_types": ["sliding_attention"],
+        "use_sliding_window": True,
+    }
+
+
+def sglang_aux_ids(config: Eagle3Config) -> list[int]:
+    """SGLang's (and eagle-harness's) nested ids name the layer whose OUTPUT is taken: ours - 1."""
+    return [i - 1 for i in config.aux_layer_ids]
+
+
+def serving_config(config: Eagle3Config, *, fmt: str, torch_dtype: str) -> dict[str, Any]:
+    """The exported ``config.json`` of format ``eagle3`` (EAGLE-3.1 keys when the draft has them)."""
+    aux_ids = list(config.aux_layer_ids)
+    out: dict[str, Any] = {
+        "architectures": [ARCHITECTURE],
+        **llama_layer_keys(config),
+        # transformers 4.x (and the engines built on it) read rope_theta/rope_scaling;
+        # transformers 5 reads rope_parameters. Both say the same thing.
+        "rope_theta": config.rope_theta,
+        "rope_scaling": config.rope_scaling,
+        "rope_parameters": rope_parameters(config),
         "draft_vocab_size": config.draft_vocab_size,
         "target_hidden_size": config.target_hidden_size,
-        "tie_word_embeddings": False,
         # The residual is the incoming h itself (vLLM's default; its speculators format says True).
         "norm_before_residual": False,
         "torch_dtype": torch_dtype,
@@ -70,32 +100,47 @@ def serving_config(config: Eagle3Config, *, fmt: str, torch_dtype: str) -> dict[
         "eagle_aux_hidden_state_layer_ids": aux_ids,
         # SGLang: adds 1 to these before capturing, so they are one lower.
         "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux_ids],
+            "eagle_aux_hidden_state_layer_ids": sglang_aux_ids(config),
             "use_aux_hidden_state": True,
         },
-    }
-    if config.sliding_window is not None:
         # vLLM's Llama attention takes its window from layer_types + sliding_window.
-        out["sliding_window"] = config.sliding_window
-        out["layer_types"] = ["sliding_attention"]
-        out["use_sliding_window"] = True
-    if fmt == "eagle4":
-        out["efficient_lm_head_rank"] = config.candidate_rank
-        out["num_candidates"] = config.num_candidates
+        **window_keys(config),
+    }
+    if config.fc_norm or config.norm_output:
+        # EAGLE-3.1, as vLLM's and TensorRT-LLM's Eagle3 drafts read it (fc_norm.{k}.weight).
+        out["fc_norm"] = config.fc_norm
+        out["norm_output"] = config.norm_output
     out[HSSTORE_KEY] = config.model_dump(mode="json")
     return out
 
 
 def is_serving_config(raw: dict[str, Any]) -> bool:
-    return ARCHITECTURE in (raw.get("architectures") or [])
+    """An exported draft of any layout export writes (its weights omit nothing the engines need
+    but, unless included, the target's embedding)."""
+    from pipelines.models.eagle4_layout import is_eagle4_config
+    from pipelines.models.speculators_layout import is_speculators_config
+
+    return (
+        ARCHITECTURE in (raw.get("architectures") or [])
+        or is_eagle4_config(raw)
+        or is_speculators_config(raw)
+    )
 
 
 def config_from_serving(
     raw: dict[str, Any], aux_layer_ids: list[int] | None = None
 ) -> Eagle3Config:
     """Rebuild an :class:`Eagle3Config` from an exported (ours or third-party) ``config.json``."""
+    from pipelines.models.eagle3_config import upgrade_saved_config
+    from pipelines.models.eagle4_layout import config_from_eagle4, is_eagle4_config
+    from pipelines.models.speculators_layout import config_from_speculators, is_speculators_config
+
+    if is_speculators_config(raw):
+        return config_from_speculators(raw, aux_layer_ids)
+    if is_eagle4_config(raw):
+        return config_from_eagle4(raw, aux_layer_ids)
     if HSSTORE_KEY in raw and aux_layer_ids is None:
-        return Eagle3Config.model_validate(raw[HSSTORE_KEY])
+        return Eagle3Config.model_validate(upgrade_saved_config(raw[HSSTORE_KEY]))
     if aux_layer_ids is None:
         aux_layer_ids = raw.get("eagle_aux_hidden_state_layer_ids")
     if aux_layer_ids is None:
@@ -130,14 +175,19 @@ def config_from_serving(
         "target_hidden_size": int(raw.get("target_hidden_size") or hidden),
         "aux_layer_ids": list(aux_layer_ids),
         "sliding_window": raw.get("sliding_window") if raw.get("layer_types") else None,
+        # A third-party window is vLLM's, measured from the drafted token's position.
+        "window_mode": "position",
         "candidate_rank": raw.get("efficient_lm_head_rank"),
         "num_candidates": raw.get("num_candidates"),
+        "fc_norm": bool(raw.get("fc_norm", False)),
+        "norm_output": bool(raw.get("norm_output", False)),
     }
     return Eagle3Config(**cfg)
 
 
 def to_serving_state_dict(state: dict[str, torch.Tensor], *, fmt: str) -> dict[str, torch.Tensor]:
-    """Project state dict -> exported tensors (no ``model.`` prefix, no embed_tokens)."""
+    """Project state dict -> exported tensors (no ``model.`` prefix, no embed_tokens; the
+    candidate head only for ``eagle4``)."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         if name in NOT_EXPORTED:

@@ -2,8 +2,10 @@
 
 At TTT depth i a query at position t sees (docs/draft-model.md):
 
-- the depth-0 keys of positions s <= t of its own document (within the sliding window, if any,
-  measured in RoPE positions: ``position[t] + i - position[s] < W``), and
+- the depth-0 keys of positions s <= t of its own document (within the sliding window, if any:
+  ``position[t] - position[s] < W`` with ``window_mode="context"``, the W most recent context
+  keys as eagle-harness serves EAGLE-4; ``position[t] + i - position[s] < W`` with
+  ``"position"``, the window measured from the drafted token's own RoPE position), and
 - its own keys from depths 1..i (the draft's drafted chain at that position).
 
 Three implementations give the same result:
@@ -49,17 +51,33 @@ def run_ids(doc_ids_BT: torch.Tensor) -> torch.Tensor:
     return new_run.cumsum(-1, dtype=torch.int32) - 1
 
 
+WINDOW_MODES = ("context", "position")
+
+
+def window_shift(window_mode: str, depth: int) -> int:
+    """How far the window's end moves at depth ``depth``: 0 when it counts context keys (the
+    chain's d keys come on top), ``depth`` when it is measured from the drafted position."""
+    if window_mode not in WINDOW_MODES:
+        raise ValueError(f"unknown window_mode {window_mode!r} (one of {', '.join(WINDOW_MODES)})")
+    return depth if window_mode == "position" else 0
+
+
 def ttt_base_mask(
-    doc_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, depth: int, sliding_window: int | None
+    doc_ids_BT: torch.Tensor,
+    position_ids_BT: torch.Tensor,
+    depth: int,
+    sliding_window: int | None,
+    window_mode: str = "context",
 ) -> torch.Tensor:
     """Bool [B, T, T]: which depth-0 keys the depth-``depth`` query at t sees (causal, same
-    document, windowed by RoPE distance)."""
+    document, windowed by RoPE distance; ``window_mode`` as in the module docstring)."""
     T = doc_ids_BT.shape[1]
     idx = torch.arange(T, device=doc_ids_BT.device)
     runs = run_ids(doc_ids_BT)
     base = (idx[None, :, None] >= idx[None, None, :]) & (runs[:, :, None] == runs[:, None, :])
     if sliding_window is not None:
-        distance = position_ids_BT[:, :, None] + depth - position_ids_BT[:, None, :]
+        shift = window_shift(window_mode, depth)
+        distance = position_ids_BT[:, :, None] + shift - position_ids_BT[:, None, :]
         base = base & (distance < sliding_window)
     return base
 
@@ -124,17 +142,23 @@ class EagerTTTAttention(_KeysByDepth):
     the module docstring). Exact on any device; the tests compare the others with it."""
 
     def __init__(
-        self, doc_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, sliding_window: int | None
+        self,
+        doc_ids_BT: torch.Tensor,
+        position_ids_BT: torch.Tensor,
+        sliding_window: int | None,
+        window_mode: str = "context",
     ) -> None:
         super().__init__()
+        window_shift(window_mode, 0)  # validates the mode
         self.doc_ids = doc_ids_BT
         self.position_ids = position_ids_BT
         self.window = sliding_window
+        self.window_mode = window_mode
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, depth: int) -> torch.Tensor:
         """q [B, heads, T, D], k/v [B, kv_heads, T, D] (RoPE applied) -> [B, heads, T, D]."""
         self._push(k, v, depth)
-        mask = ttt_base_mask(self.doc_ids, self.position_ids, depth, self.window)
+        mask = ttt_base_mask(self.doc_ids, self.position_ids, depth, self.window, self.window_mode)
         return attend_with_own_keys(q, self.keys, self.values, mask)
 
 
@@ -147,9 +171,13 @@ class SegmentedTTTAttention(EagerTTTAttention):
     once per batch, which is free on the CPU (on CUDA, flex does this work block-sparsely)."""
 
     def __init__(
-        self, doc_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, sliding_window: int | None
+        self,
+        doc_ids_BT: torch.Tensor,
+        position_ids_BT: torch.Tensor,
+        sliding_window: int | None,
+        window_mode: str = "context",
     ) -> None:
-        super().__init__(doc_ids_BT, position_ids_BT, sliding_window)
+        super().__init__(doc_ids_BT, position_ids_BT, sliding_window, window_mode)
         self.segments: list[list[tuple[int, int]]] = []
         for runs in run_ids(doc_ids_BT).cpu():  # runs are numbered 0, 1, ... along the row
             bounds = [0, *itertools.accumulate(torch.bincount(runs).tolist())]
@@ -160,7 +188,9 @@ class SegmentedTTTAttention(EagerTTTAttention):
         if self.window is None:
             return None
         cut = (slice(b, b + 1), slice(start, end))
-        return ttt_base_mask(self.doc_ids[cut], self.position_ids[cut], depth, self.window)
+        return ttt_base_mask(
+            self.doc_ids[cut], self.position_ids[cut], depth, self.window, self.window_mode
+        )
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, depth: int) -> torch.Tensor:
         """q [B, heads, T, D], k/v [B, kv_heads, T, D] (RoPE applied) -> [B, heads, T, D]."""
@@ -207,7 +237,10 @@ class FlexTTTAttention(_KeysByDepth):
         sliding_window: int | None,
         ttt_length: int,
         compiled: bool = True,
+        window_mode: str = "context",
     ) -> None:
+        window_shift(window_mode, 0)  # validates the mode
+        self.window_mode = window_mode
         B, T = doc_ids_BT.shape
         self.T = T
         self.Tp = -(-T // BLOCK) * BLOCK
@@ -237,6 +270,7 @@ class FlexTTTAttention(_KeysByDepth):
         from torch.nn.attention.flex_attention import BlockMask
 
         n, L, Tp, window = self.num_blocks, self.ttt_length, self.Tp, self.window
+        shift = window_shift(self.window_mode, depth)
         device = self.runs.device
         qb = torch.arange(n, device=device)
         below = qb[None, :, None] >= qb[None, None, :]  # [1, q block, kv block]: causal blocks
@@ -249,9 +283,9 @@ class FlexTTTAttention(_KeysByDepth):
         full = strictly_below & (k_first == q_last)
         if window is not None:
             # Bounds valid for any positions: every same-document pair's distance lies in
-            # [q_pos_min - k_pos_max, q_pos_max - k_pos_min] + depth.
-            nonempty &= (self.pos_min[:, :, None] - self.pos_max[:, None, :] + depth) < window
-            full &= (self.pos_max[:, :, None] - self.pos_min[:, None, :] + depth) < window
+            # [q_pos_min - k_pos_max, q_pos_max - k_pos_min] + shift.
+            nonempty &= (self.pos_min[:, :, None] - self.pos_max[:, None, :] + shift) < window
+            full &= (self.pos_max[:, :, None] - self.pos_min[:, None, :] + shift) < window
         partial = nonempty & ~full
         B = partial.shape[0]
         eye = torch.eye(n, dtype=torch.bool, device=device)
@@ -266,13 +300,14 @@ class FlexTTTAttention(_KeysByDepth):
 
         runs, positions = self.runs, self.positions
         depth_t = torch.tensor(depth, dtype=torch.int32, device=device)
+        shift_t = torch.tensor(shift, dtype=torch.int32, device=device)
 
         def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
             region = kv_idx // Tp
             key = kv_idx - region * Tp
             base = (region == 0) & (key <= q_idx) & (runs[b, q_idx] == runs[b, key])
             if window is not None:
-                base = base & (positions[b, q_idx] + depth_t - positions[b, key] < window)
+                base = base & (positions[b, q_idx] + shift_t - positions[b, key] < window)
             own = (region >= 1) & (region <= depth_t) & (key == q_idx)
             return base | own
 
@@ -302,6 +337,7 @@ def make_ttt_attention(
     position_ids_BT: torch.Tensor,
     sliding_window: int | None,
     ttt_length: int,
+    window_mode: str = "context",
 ) -> EagerTTTAttention | SegmentedTTTAttention | FlexTTTAttention:
     """``backend``: ``auto`` (flex on CUDA, segmented elsewhere), ``flex``, ``segmented`` or
     ``eager`` (all give the same result). Flex needs CUDA to train: its CPU path has no backward."""
@@ -309,10 +345,11 @@ def make_ttt_attention(
         backend = "flex" if doc_ids_BT.is_cuda else "segmented"
     if backend == "flex":
         return FlexTTTAttention(
-            doc_ids_BT, position_ids_BT, sliding_window, ttt_length, compiled=doc_ids_BT.is_cuda
+            doc_ids_BT, position_ids_BT, sliding_window, ttt_length,
+            compiled=doc_ids_BT.is_cuda, window_mode=window_mode,
         )
     if backend == "segmented":
-        return SegmentedTTTAttention(doc_ids_BT, position_ids_BT, sliding_window)
+        return SegmentedTTTAttention(doc_ids_BT, position_ids_BT, sliding_window, window_mode)
     if backend == "eager":
-        return EagerTTTAttention(doc_ids_BT, position_ids_BT, sliding_window)
+        return EagerTTTAttention(doc_ids_BT, position_ids_BT, sliding_window, window_mode)
     raise ValueError(f"unknown TTT attention backend {backend!r} (auto, flex, segmented, eager)")

@@ -93,7 +93,7 @@ def candidate_step_loss(
     out = CandidateOutput(torch.zeros(()), [], [], [], [], [])
     for weight, hidden, mask in zip(weights, hidden_per_step, step_masks, strict=True):
         with torch.no_grad():
-            normed = draft.norm(hidden[mask].detach())
+            normed = draft.head_input(hidden[mask].detach())
             full_logp = F.log_softmax(draft.lm_head(normed).float(), dim=-1)
         cand_logits = head(normed).float()
         kl_sum = (full_logp.exp() * (full_logp - F.log_softmax(cand_logits, dim=-1))).sum()

@@ -58,7 +58,22 @@ class DraftConfig(RecipeModel):
     head_dim: int | None = Field(default=None, gt=0)
     intermediate_size: int | None = Field(default=None, gt=0)
     sliding_window: int | None = Field(
-        default=None, gt=0, description="EAGLE-4: attend within this many positions (>= ttt_length)"
+        default=None, gt=0, description="EAGLE-4: attend to the last W context keys (>= ttt_length)"
+    )
+    window_mode: Literal["context", "position"] = Field(
+        default="context",
+        description=(
+            "what the window counts at TTT depth d: 'context' = the W most recent context keys "
+            "plus the d drafted chain tokens (what eagle-harness serves for EAGLE-4); 'position' "
+            "= keys within W positions of the drafted token (W - d context keys)"
+        ),
+    )
+    fc_norm: bool = Field(
+        default=False, description="EAGLE-3.1: RMSNorm each aux hidden state before fc"
+    )
+    norm_output: bool = Field(
+        default=False,
+        description="EAGLE-3.1: feed the final-normed hidden (what lm_head reads) to the next TTT depth",
     )
     vocab: VocabConfig = Field(default_factory=lambda: VocabConfig(draft_vocab_size=32000))
 

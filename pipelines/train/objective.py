@@ -48,7 +48,8 @@ def compile_draft_pointwise(draft: Eagle3Draft) -> None:
     float32 RMSNorm round trips and SiLU-times-up into single passes. CUDA only; attention is
     compiled separately (``pipelines.models.ttt_attention``) and the matmuls gain nothing."""
     layer = draft.midlayer
-    for module in (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, layer.mlp, draft.norm):
+    fc_norms = list(draft.fc_norm) if draft.fc_norm is not None else []
+    for module in (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, layer.mlp, draft.norm, *fc_norms):
         module.compile(dynamic=None)
 
 

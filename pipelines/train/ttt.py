@@ -95,7 +95,9 @@ def ttt_unroll(
         )
     if doc_ids_BT is None:
         doc_ids_BT = torch.zeros_like(input_ids_BT)
-    ttt = make_ttt_attention(attention, doc_ids_BT, position_ids_BT, window, ttt_length)
+    ttt = make_ttt_attention(
+        attention, doc_ids_BT, position_ids_BT, window, ttt_length, draft.config.window_mode
+    )
     hidden = draft.fuse_aux(aux_BTKH)
     hidden_per_step = []
     for depth in range(ttt_length):
@@ -168,7 +170,7 @@ def ttt_forward(
         # Position t is scored against the teacher at t + 1 + depth (same row: the step mask is
         # False wherever t + 1 + depth would leave the row or the document).
         rows = mask.flatten().nonzero().squeeze(1)
-        normed = draft.norm(hidden.flatten(0, 1)[rows])
+        normed = draft.head_input(hidden.flatten(0, 1)[rows])
         ce_sum, correct = linear_soft_cross_entropy(
             normed, draft.lm_head.weight, teacher, rows + 1 + depth, loss_chunk, compile_loss
         )

@@ -30,7 +30,8 @@ def path_logprobs(
     draft: Eagle3Draft, kv, last_hidden, path: list[int], start: int, window: int | None
 ):
     """Log-probs after each prefix of ``path``, stepping one node at a time: node i (depth i+1)
-    sees the step-0 keys within the window of its position and every earlier node of its path."""
+    sees the step-0 keys within the window (ending at the root ``start`` in window_mode
+    "context", at the node's own position in "position") and every earlier node of its path."""
     num_prefix = kv[0].shape[2]
     logps = [torch.log_softmax(draft.compute_logits(last_hidden).float(), -1)]
     hidden = last_hidden
@@ -38,7 +39,8 @@ def path_logprobs(
         position = start + i + 1
         mask = torch.ones(1, 1, num_prefix + i + 1, dtype=torch.bool)
         if window is not None:
-            mask[..., : max(0, position - window + 1)] = False
+            end = position if draft.config.window_mode == "position" else start
+            mask[..., : max(0, end - window + 1)] = False
         out = draft(
             torch.tensor([[token]]),
             hidden[None, None],
@@ -52,12 +54,12 @@ def path_logprobs(
     return logps
 
 
-@pytest.mark.parametrize("window", [None, 8])
+@pytest.mark.parametrize(("window", "mode"), [(None, "context"), (8, "context"), (8, "position")])
 def test_tree_scores_equal_each_path_drafted_alone(
-    window: int | None, reference_sdpa: TargetModel, prompt_ids: list[list[int]]
+    window: int | None, mode: str, reference_sdpa: TargetModel, prompt_ids: list[list[int]]
 ) -> None:
     target = reference_sdpa
-    draft = random_draft(target, seed=3, sliding_window=window)
+    draft = random_draft(target, seed=3, sliding_window=window, window_mode=mode)
     prompt, root = prompt_ids[2][:24], 42
     drafter = TreeDrafter(draft, target)
     target.reset()
@@ -132,16 +134,24 @@ def test_misfit_drafts_are_refused(
         TreeDrafter(draft, reference_sdpa)
 
 
-@pytest.mark.parametrize("window", [None, 8])
+@pytest.mark.parametrize(
+    ("window", "options"),
+    [
+        (None, {}),
+        (8, {"window_mode": "context"}),
+        (8, {"window_mode": "position"}),
+        (8, {"fc_norm": True, "norm_output": True}),  # EAGLE-3.1
+    ],
+)
 def test_chain_drafting_equals_the_trainers_ttt_unroll(
-    window: int | None, reference_sdpa: TargetModel, prompt_ids: list[list[int]]
+    window: int | None, options: dict, reference_sdpa: TargetModel, prompt_ids: list[list[int]]
 ) -> None:
     """Decoding sees exactly what training taught: the drafter's chain scores equal the TTT
     unroll (pipelines.train.ttt, written independently) over the sequence the chain spells out."""
     from pipelines.train.ttt import ttt_unroll
 
     target = reference_sdpa
-    draft = random_draft(target, seed=8, sliding_window=window)
+    draft = random_draft(target, seed=8, sliding_window=window, **options)
     prompt, root = prompt_ids[4][:30], 123
     drafter = TreeDrafter(draft, target)
     target.reset()

@@ -38,9 +38,11 @@ EAGLE3_LAYOUT = {
     "t2d": ((V,), torch.bool),
 }
 RANK = 8
+# eagle-harness's LlamaForCausalLMEagle4: a full vocabulary, no vocabulary maps.
 EAGLE4_LAYOUT = {
-    **EAGLE3_LAYOUT,
-    "efficient_lm_head.weight": ((V_DRAFT, RANK), torch.bfloat16),
+    **{k: v for k, v in EAGLE3_LAYOUT.items() if k not in ("d2t", "t2d")},
+    "lm_head.weight": ((V, H), torch.bfloat16),
+    "efficient_lm_head.weight": ((V, RANK), torch.bfloat16),
     "efficient_lm_head_down_proj.weight": ((RANK, H), torch.bfloat16),
 }
 
@@ -111,28 +113,91 @@ def test_float32_export_gives_identical_logits(tmp_path):
     torch.testing.assert_close(logits(reloaded), logits(draft), rtol=0, atol=0)
 
 
-def test_eagle4_layout_and_round_trip(tmp_path):
-    draft = tiny_draft(sliding_window=8)
+def eagle4_draft(**overrides):
+    """A full-vocabulary draft with a candidate head, as the harness serves."""
+    draft = tiny_draft(draft_vocab_size=V, **overrides)
     attach_candidate_head(draft, rank=RANK, num_candidates=12)
+    return draft
+
+
+def test_eagle4_layout_and_round_trip(tmp_path):
+    draft = eagle4_draft(sliding_window=8, fc_norm=True, norm_output=True)
     save_draft(draft, tmp_path / "ckpt" / "draft")
     out = export_draft(tmp_path / "ckpt", "eagle4", tmp_path / "out")
     tensors = exported_tensors(out)
-    assert {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()} == EAGLE4_LAYOUT
+    layout = {
+        **EAGLE4_LAYOUT,
+        **{f"fc_norm.{k}.weight": ((H,), torch.bfloat16) for k in range(3)},
+    }
+    assert {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()} == layout
     config = json.loads((out / "config.json").read_text())
-    assert (config["efficient_lm_head_rank"], config["num_candidates"]) == (RANK, 12)
+    assert config["architectures"] == ["LlamaForCausalLMEagle4"]
+    assert config["efficient_lm_head_config"] == {"type": "low_rank", "rank": RANK, "num_candidates": 12}
+    assert config["draft_vocab_size"] == config["vocab_size"] == V
     assert config["sliding_window"] == 8 and config["layer_types"] == ["sliding_attention"]
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert (config["fc_norm"], config["norm_output"], config["num_aux_hidden_states"]) == (True, True, 3)
+    # Only the harness's whitelist: no project metadata, no top-level ids, no old head keys.
+    for key in ("hsstore_draft_config", "eagle_aux_hidden_state_layer_ids", "norm_before_residual",
+                "efficient_lm_head_rank", "num_candidates", "rope_theta", "rope_scaling"):
+        assert key not in config
     reloaded = load_draft(out, embed_tokens=draft.embed_tokens.weight)
-    assert reloaded.config.sliding_window == 8 and reloaded.config.num_candidates == 12
+    assert reloaded.config == draft.config  # window_mode context, the norms and the head included
     bf16 = draft.to(torch.bfloat16)
     torch.testing.assert_close(logits(reloaded), logits(bf16), rtol=0, atol=0)
     torch.testing.assert_close(
         logits(reloaded, candidate=True), logits(bf16, candidate=True), rtol=0, atol=0
     )
-    # The same checkpoint exported as eagle3 drops the candidate head.
-    assert "efficient_lm_head.weight" not in exported_tensors(
-        export_draft(tmp_path / "ckpt", "eagle3", tmp_path / "e3")
-    )
+    # The same checkpoint exported as eagle3 drops the candidate head (and needs --eagle31-keys).
+    e3 = export_draft(tmp_path / "ckpt", "eagle3", tmp_path / "e3", eagle31_keys=True)
+    assert "efficient_lm_head.weight" not in exported_tensors(e3)
+
+
+def test_eagle4_refuses_what_the_harness_would_serve_differently(tmp_path):
+    save_draft(eagle4_draft(sliding_window=8, window_mode="position"), tmp_path / "position")
+    with pytest.raises(ExportError, match="window_mode=position .* Retrain with draft.window_mode=context"):
+        export_draft(tmp_path / "position", "eagle4", tmp_path / "out")
+    reduced = tiny_draft()
+    attach_candidate_head(reduced, rank=RANK, num_candidates=12)
+    save_draft(reduced, tmp_path / "reduced")
+    with pytest.raises(ExportError, match=r"vocabulary is reduced \(96 of 256.*draft.vocab.full=true.*--expand-vocab"):
+        export_draft(tmp_path / "reduced", "eagle4", tmp_path / "out")
+
+
+def test_eagle4_expand_vocab_keeps_the_drafts_logits_on_its_own_ids(tmp_path):
+    draft = tiny_draft()
+    attach_candidate_head(draft, rank=RANK, num_candidates=12)
+    save_draft(draft, tmp_path / "reduced")
+    out = export_draft(tmp_path / "reduced", "eagle4", tmp_path / "out", dtype="float32", expand_vocab=True)
+    tensors = exported_tensors(out)
+    assert tuple(tensors["lm_head.weight"].shape) == (V, H) and "d2t" not in tensors
+    full = load_draft(out, embed_tokens=draft.embed_tokens.weight)
+    assert full.config.draft_vocab_size == V
+    target_ids = torch.arange(V_DRAFT) + draft.d2t
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[target_ids] = False
+    for candidate in (False, True):
+        got, want = logits(full, candidate), logits(draft, candidate)
+        torch.testing.assert_close(got[..., target_ids], want, rtol=0, atol=0)
+        assert (got[..., outside] == 0).all()  # the rows expansion adds score 0
+
+
+def test_eagle3_refuses_an_eagle31_draft_unless_asked(tmp_path):
+    draft = tiny_draft(fc_norm=True, norm_output=True)
+    save_draft(draft, tmp_path / "draft")
+    with pytest.raises(ExportError, match="SGLang's LlamaForCausalLMEagle3 would drop both silently.*--format speculators"):
+        export_draft(tmp_path / "draft", "eagle3", tmp_path / "out")
+    out = export_draft(tmp_path / "draft", "eagle3", tmp_path / "out", dtype="float32", eagle31_keys=True)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["fc_norm"], config["norm_output"]) == (True, True)
+    tensors = exported_tensors(out)
+    assert all(tuple(tensors[f"fc_norm.{k}.weight"].shape) == (H,) for k in range(3))
+    # A third-party reader without our metadata rebuilds the EAGLE-3.1 draft from the keys.
+    del config["hsstore_draft_config"]
+    (out / "config.json").write_text(json.dumps(config))
+    reloaded = load_draft(out, embed_tokens=draft.embed_tokens.weight)
+    assert reloaded.config.fc_norm and reloaded.config.norm_output
+    torch.testing.assert_close(logits(reloaded), logits(draft), rtol=0, atol=0)
 
 
 def test_third_party_config_without_our_metadata_loads(tmp_path):
@@ -152,7 +217,7 @@ def test_third_party_config_without_our_metadata_loads(tmp_path):
 
 def test_export_refusals(tmp_path):
     save_draft(tiny_draft(), tmp_path / "draft")
-    with pytest.raises(ExportError, match="format eagle4 needs a candidate head"):
+    with pytest.raises(ExportError, match="cannot export as eagle4: it has no candidate head"):
         export_draft(tmp_path / "draft", "eagle4", tmp_path / "out")
     with pytest.raises(ExportError, match="unknown export format 'medusa'"):
         export_draft(tmp_path / "draft", "medusa", tmp_path / "out")

@@ -111,3 +111,39 @@ def test_config_carries_candidate_fields(tmp_path):
     loaded = load_draft(tmp_path)
     assert loaded.candidate_head is not None
     assert torch.equal(loaded.candidate_head.up_proj.weight, draft.candidate_head.up_proj.weight)
+
+
+def test_a_windowed_config_saved_before_window_mode_keeps_its_trained_window(tmp_path):
+    """Drafts saved before window_mode existed were trained with the window measured from the
+    drafted position; they load as window_mode=position, new ones keep what they say."""
+    save_draft(tiny_draft(sliding_window=8), tmp_path / "old")
+    raw = json.loads((tmp_path / "old" / "config.json").read_text())
+    assert raw.pop("window_mode") == "context"
+    (tmp_path / "old" / "config.json").write_text(json.dumps(raw))
+    assert load_draft(tmp_path / "old").config.window_mode == "position"
+    save_draft(tiny_draft(sliding_window=8, window_mode="context"), tmp_path / "new")
+    assert load_draft(tmp_path / "new").config.window_mode == "context"
+
+
+def test_an_eagle31_draft_round_trips(tmp_path):
+    draft = tiny_draft(fc_norm=True, norm_output=True)
+    with torch.no_grad():
+        for norm in draft.fc_norm:
+            norm.weight.uniform_(0.5, 1.5)
+    save_draft(draft, tmp_path / "draft")
+    reloaded = load_draft(tmp_path / "draft")
+    assert reloaded.config == draft.config
+    torch.testing.assert_close(logits_of(reloaded), logits_of(draft), rtol=0, atol=0)
+    # fc_norm changes the logits (the per-layer norms are applied); norm_output leaves one step's
+    # logits alone (the norm is applied once either way) and changes the fed-back hidden.
+    without_fc_norm = Eagle3Draft(draft.config.model_copy(update={"fc_norm": False}))
+    without_fc_norm.load_state_dict(draft.state_dict(), strict=False)
+    assert not torch.allclose(logits_of(without_fc_norm), logits_of(draft))
+    without_norm_output = Eagle3Draft(draft.config.model_copy(update={"norm_output": False}))
+    without_norm_output.load_state_dict(draft.state_dict())
+    torch.testing.assert_close(logits_of(without_norm_output), logits_of(draft))
+    aux, ids, pos = random_inputs(draft)
+    with torch.no_grad():
+        hidden = draft(ids, draft.fuse_aux(aux), pos).hidden_BTD
+        pre_norm = without_norm_output(ids, draft.fuse_aux(aux), pos).hidden_BTD
+    torch.testing.assert_close(hidden, draft.norm(pre_norm))

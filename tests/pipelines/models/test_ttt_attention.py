@@ -20,13 +20,15 @@ from pipelines.models.ttt_attention import (
 )
 
 CASES = [
-    # (doc lengths per row, sliding window, ttt length)
-    ([[300]], None, 3),
-    ([[100, 157, 43], [5, 295]], None, 4),
-    ([[260, 40], [128, 128, 44]], 64, 3),
-    ([[37]], None, 2),  # shorter than one block
-    ([[200, 100]], 150, 3),
-    ([[100, 50], [40]], None, 3),  # a shorter row: its padding is one more run
+    # (doc lengths per row, sliding window, ttt length, window mode)
+    ([[300]], None, 3, "context"),
+    ([[100, 157, 43], [5, 295]], None, 4, "context"),
+    ([[260, 40], [128, 128, 44]], 64, 3, "context"),
+    ([[260, 40], [128, 128, 44]], 64, 3, "position"),
+    ([[37]], None, 2, "context"),  # shorter than one block
+    ([[200, 100]], 150, 3, "context"),
+    ([[200, 100]], 128, 4, "position"),  # the window ends on a block boundary at depth 0 only
+    ([[100, 50], [40]], None, 3, "context"),  # a shorter row: its padding is one more run
 ]
 
 
@@ -59,12 +61,12 @@ def unroll(attention, inputs):
     return [attention.attend(q, k, v, depth) for depth, (q, k, v) in enumerate(inputs)]
 
 
-@pytest.mark.parametrize(("doc_lengths", "window", "ttt_length"), CASES)
-def test_flex_equals_eager_forward_on_cpu(doc_lengths, window, ttt_length):
+@pytest.mark.parametrize(("doc_lengths", "window", "ttt_length", "mode"), CASES)
+def test_flex_equals_eager_forward_on_cpu(doc_lengths, window, ttt_length, mode):
     docs, pos = packed(doc_lengths)
     inputs = qkv(docs.shape[0], docs.shape[1], ttt_length, "cpu", torch.float32)
-    want = unroll(EagerTTTAttention(docs, pos, window), inputs)
-    got = unroll(FlexTTTAttention(docs, pos, window, ttt_length, compiled=False), inputs)
+    want = unroll(EagerTTTAttention(docs, pos, window, mode), inputs)
+    got = unroll(FlexTTTAttention(docs, pos, window, ttt_length, compiled=False, window_mode=mode), inputs)
     for depth, (g, w) in enumerate(zip(got, want, strict=True)):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=f"depth {depth}")
 
@@ -77,12 +79,12 @@ def forward_and_grads(attention, base):
     return outs, [[x.grad for x in depth] for depth in inputs]
 
 
-@pytest.mark.parametrize(("doc_lengths", "window", "ttt_length"), CASES)
-def test_segmented_equals_eager_forward_and_backward(doc_lengths, window, ttt_length):
+@pytest.mark.parametrize(("doc_lengths", "window", "ttt_length", "mode"), CASES)
+def test_segmented_equals_eager_forward_and_backward(doc_lengths, window, ttt_length, mode):
     docs, pos = packed(doc_lengths)
     base = qkv(docs.shape[0], docs.shape[1], ttt_length, "cpu", torch.float64)
-    want_out, want_grads = forward_and_grads(EagerTTTAttention(docs, pos, window), base)
-    got_out, got_grads = forward_and_grads(SegmentedTTTAttention(docs, pos, window), base)
+    want_out, want_grads = forward_and_grads(EagerTTTAttention(docs, pos, window, mode), base)
+    got_out, got_grads = forward_and_grads(SegmentedTTTAttention(docs, pos, window, mode), base)
     for depth, (g, w) in enumerate(zip(got_out, want_out, strict=True)):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10, msg=f"depth {depth}")
     for depth, (gd, wd) in enumerate(zip(got_grads, want_grads, strict=True)):
@@ -110,13 +112,13 @@ def listed_blocks(num: torch.Tensor, indices: torch.Tensor, shape: tuple[int, ..
     return dense
 
 
-@pytest.mark.parametrize(("doc_lengths", "window", "ttt_length"), CASES)
+@pytest.mark.parametrize(("doc_lengths", "window", "ttt_length", "mode"), CASES)
 def test_block_lists_cover_every_visible_pair_and_full_blocks_need_no_mask(
-    doc_lengths, window, ttt_length
+    doc_lengths, window, ttt_length, mode
 ):
     """flex's CPU path ignores the block lists, so check them against the element mask here."""
     docs, pos = packed(doc_lengths)
-    attention = FlexTTTAttention(docs, pos, window, ttt_length, compiled=False)
+    attention = FlexTTTAttention(docs, pos, window, ttt_length, compiled=False, window_mode=mode)
     B, Tp, L = docs.shape[0], attention.Tp, ttt_length
     for depth in range(ttt_length):
         mask = attention.block_mask(depth)
@@ -138,7 +140,7 @@ def test_block_lists_cover_every_visible_pair_and_full_blocks_need_no_mask(
         T = docs.shape[1]
         from pipelines.models.ttt_attention import ttt_base_mask
 
-        want_base = ttt_base_mask(docs, pos, depth, window)
+        want_base = ttt_base_mask(docs, pos, depth, window, mode)
         assert torch.equal(allowed[:, :T, :T], want_base)
         for j in range(1, L):
             own = allowed[:, :T, j * Tp : j * Tp + T]
@@ -165,16 +167,35 @@ def test_run_ids_number_contiguous_documents():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize(("doc_lengths", "window", "ttt_length"), CASES)
-def test_flex_equals_eager_forward_and_backward_on_gpu(doc_lengths, window, ttt_length):
+@pytest.mark.parametrize(("doc_lengths", "window", "ttt_length", "mode"), CASES)
+def test_flex_equals_eager_forward_and_backward_on_gpu(doc_lengths, window, ttt_length, mode):
     docs, pos = packed(doc_lengths, "cuda")
     base = qkv(docs.shape[0], docs.shape[1], ttt_length, "cuda", torch.float32)
     results = {
-        "eager": forward_and_grads(EagerTTTAttention(docs, pos, window), base),
-        "flex": forward_and_grads(FlexTTTAttention(docs, pos, window, ttt_length, compiled=True), base),
+        "eager": forward_and_grads(EagerTTTAttention(docs, pos, window, mode), base),
+        "flex": forward_and_grads(FlexTTTAttention(docs, pos, window, ttt_length, compiled=True, window_mode=mode), base),
     }
     for (g, w) in zip(results["flex"][0], results["eager"][0], strict=True):
         torch.testing.assert_close(g, w, rtol=2e-4, atol=2e-4)
     for gd, wd in zip(results["flex"][1], results["eager"][1], strict=True):
         for g, w in zip(gd, wd, strict=True):
             torch.testing.assert_close(g, w, rtol=2e-4, atol=2e-4)
+
+
+def test_window_modes_differ_only_past_depth_zero():
+    """'context' keeps W context keys at every depth (eagle-harness serves it); 'position' drops
+    one more per depth (measured from the drafted token). Equal at depth 0; unknown modes refused."""
+    docs, pos = packed([[40]])
+    for depth in range(3):
+        context = ttt_base_mask_of(docs, pos, depth, 8, "context")
+        position = ttt_base_mask_of(docs, pos, depth, 8, "position")
+        assert context[0, 39].sum() == 8 and position[0, 39].sum() == 8 - depth
+        assert torch.equal(context, position) == (depth == 0)
+    with pytest.raises(ValueError, match="unknown window_mode 'chain'"):
+        EagerTTTAttention(docs, pos, 8, "chain")
+
+
+def ttt_base_mask_of(docs, pos, depth, window, mode):
+    from pipelines.models.ttt_attention import ttt_base_mask
+
+    return ttt_base_mask(docs, pos, depth, window, mode)

@@ -67,3 +67,62 @@ def test_a_layer_the_store_lacks_is_refused_with_the_available_ids(superset_stor
     recipe = small_recipe(superset_store, tmp_path / "bad", max_steps=1, aux_layer_ids=[2, 7])
     with pytest.raises(AuxLayerError, match=r"\[7\] are not in the store: it holds aux layers \[1, 2, 3, 4, 5, 6\]"):
         run_training(recipe)
+
+
+def test_an_eagle31_draft_on_a_layer_subset_trains_exports_for_speculators_and_evaluates(
+    superset_store: str, tmp_path: Path, shared_data: Path
+) -> None:
+    """Issue 30: a draft on [1, 4, 6] of the captured [1..6] (speculators' default for this
+    8-layer target is [2, 4, 5]) with EAGLE-3.1's norms, trained, exported as speculators' format
+    (verifier and ids from the run), loaded by speculators' own model class with a forward equal to
+    ours, and evaluated from its checkpoint and from the export."""
+    import torch
+
+    from pipelines.evaluate import EvaluateRecipe, run_evaluation
+    from pipelines.export.serving import export_draft
+    from pipelines.models.checkpoint import load_draft
+    from pipelines.recipe import build_recipe
+    from pipelines.train.ttt import ttt_unroll
+    from tests.pipelines.export.test_speculators import (
+        TTT_STEPS,
+        packed_inputs,
+        speculators_logits,
+        speculators_model_class,
+    )
+
+    record = json.loads((shared_data / "eval_prompts.jsonl").read_text().splitlines()[0])
+    record["messages"] = [{**m, "content": m["content"][:240]} for m in record["messages"]]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps(record) + "\n")
+    recipe = small_recipe(
+        superset_store, tmp_path / "run", max_steps=2, aux_layer_ids=[1, 4, 6],
+        draft={"fc_norm": True, "norm_output": True},
+    )
+    summary = run_training(recipe)
+    draft = load_draft(summary["checkpoint"])
+    assert draft.config.fc_norm and draft.config.norm_output and draft.fc_norm is not None
+    out = export_draft(tmp_path / "run", "speculators", tmp_path / "export", dtype="float32")
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["eagle_aux_hidden_state_layer_ids"] == [1, 4, 6]
+    assert exported["speculators_config"]["verifier"]["name_or_path"] == str(REFERENCE_TARGET.resolve())
+
+    for source in (summary["checkpoint"], out):
+        evaluation = build_recipe(EvaluateRecipe, {
+            "target": str(REFERENCE_TARGET), "draft": str(source), "prompts": str(prompts),
+            "output_dir": str(tmp_path / "eval" / Path(source).name), "limit": 1, "max_new_tokens": 6,
+            "baseline": False, "device": "cpu", "warmup_tokens": 0,
+            "settings": [{"draft_top_k": 8, "draft_depth": 5, "total_draft_tokens": 31}],
+        }, [])
+        results = run_evaluation(evaluation)
+        assert results["settings"][0]["acceptance_length"] >= 1.0
+
+    model = speculators_model_class().from_pretrained(str(out)).eval()
+    assert model.config.eagle_aux_hidden_state_layer_ids == [1, 4, 6]
+    draft = draft.float()
+    aux, ids, pos, docs = packed_inputs(draft.config)
+    theirs = speculators_logits(model, aux, ids, pos, docs)
+    with torch.no_grad():
+        ours = ttt_unroll(draft, aux, ids, pos, docs, ttt_length=TTT_STEPS, attention="eager")
+        for depth in range(TTT_STEPS):
+            diff = (draft.compute_logits(ours[depth]) - theirs[depth]).abs().max().item()
+            assert diff <= 1e-5, f"depth {depth}: max |logit difference| {diff:.2e}"

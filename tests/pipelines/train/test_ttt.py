@@ -16,7 +16,7 @@ from pipelines.models.eagle3 import Eagle3Config, Eagle3Draft
 from pipelines.train.ttt import doc_remaining_from_ids, ttt_forward, ttt_unroll
 
 
-def tiny_draft(sliding_window: int | None = None, seed: int = 0) -> Eagle3Draft:
+def tiny_draft(sliding_window: int | None = None, seed: int = 0, **overrides) -> Eagle3Draft:
     torch.manual_seed(seed)
     config = Eagle3Config(
         hidden_size=32,
@@ -30,11 +30,12 @@ def tiny_draft(sliding_window: int | None = None, seed: int = 0) -> Eagle3Draft:
         aux_layer_ids=[1, 2, 3],
         sliding_window=sliding_window,
         rope_theta=500.0,
+        **overrides,
     )
     draft = Eagle3Draft(config).double()
     with torch.no_grad():  # non-trivial norm weights so that a swapped norm is caught
         for name, p in draft.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
+            if name.endswith("norm.weight") or "layernorm" in name or name.startswith("fc_norm."):
                 p.uniform_(0.5, 1.5)
     return draft
 
@@ -44,6 +45,17 @@ def tiny_draft(sliding_window: int | None = None, seed: int = 0) -> Eagle3Draft:
 
 def ref_rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x / torch.sqrt((x * x).mean() + eps)
+
+
+def ref_fc_input(draft: Eagle3Draft, aux_KH: torch.Tensor) -> torch.Tensor:
+    """The fc input at one position: the K aux states concatenated, each RMS-normed first with
+    its own weight when the draft has EAGLE-3.1's fc_norm."""
+    cfg = draft.config
+    if draft.fc_norm is None:
+        return aux_KH.reshape(-1)
+    return torch.cat(
+        [ref_rms(aux_KH[k], norm.weight, cfg.rms_norm_eps) for k, norm in enumerate(draft.fc_norm)]
+    )
 
 
 def ref_rope(x_NH: torch.Tensor, position: int, theta: float) -> torch.Tensor:
@@ -110,7 +122,7 @@ def reference_ttt(draft, aux, ids, pos, loss_mask, teacher, valid, docs, ttt_len
             sum(1 for u in range(t + 1, T) if all(doc[w] == doc[t] for w in range(t, u + 1)))
             for t in range(T)
         ]
-        fused = [draft.fc.weight @ aux[b, t].reshape(-1) for t in range(T)]
+        fused = [draft.fc.weight @ ref_fc_input(draft, aux[b, t]) for t in range(T)]
         h = {}  # (depth, t) -> hidden output
         for depth in range(ttt_length):
             for t in range(T):
@@ -118,24 +130,28 @@ def reference_ttt(draft, aux, ids, pos, loss_mask, teacher, valid, docs, ttt_len
                     continue
                 h_in = fused[t] if depth == 0 else h[(depth - 1, t)]
                 query_pos = int(pos[b, t]) + depth
+                # The window ends at the drafted token ("position") or at the context's last
+                # position t, the chain's keys coming on top ("context", as eagle-harness serves).
+                window_end = query_pos if cfg.window_mode == "position" else int(pos[b, t])
                 keys = []
                 for s in range(t + 1):  # depth-0 keys of the same document
                     if doc[s] != doc[t]:
                         continue
-                    if window is not None and query_pos - int(pos[b, s]) >= window:
+                    if window is not None and window_end - int(pos[b, s]) >= window:
                         continue
                     keys.append((int(ids[b, s + 1]), fused[s], int(pos[b, s])))
                 for j in range(1, depth + 1):  # this position's own drafted keys
                     keys.append((int(ids[b, t + 1 + j]), h[(j - 1, t)], int(pos[b, t]) + j))
-                h[(depth, t)] = ref_layer(draft, int(ids[b, t + 1 + depth]), h_in, query_pos, keys)
+                out = ref_layer(draft, int(ids[b, t + 1 + depth]), h_in, query_pos, keys)
+                normed = ref_rms(out, draft.norm.weight, cfg.rms_norm_eps)
+                # EAGLE-3.1's norm_output: the next depth gets what lm_head reads.
+                h[(depth, t)] = normed if cfg.norm_output else out
                 hidden_ref[(b, depth, t)] = h[(depth, t)]
                 # Score the prediction of token t+2+depth against the teacher at t+1+depth.
                 j = t + 2 + depth
                 if remaining[t] < 2 + depth or not loss_mask[b, j] or not valid[b, j - 1]:
                     continue
-                logits = draft.lm_head.weight @ ref_rms(
-                    h[(depth, t)], draft.norm.weight, cfg.rms_norm_eps
-                )
+                logits = draft.lm_head.weight @ normed
                 p = teacher[b, j - 1]
                 step_sums[depth] = step_sums[depth] - (p * torch.log_softmax(logits, 0)).sum()
                 step_counts[depth] += 1
@@ -175,15 +191,21 @@ def packed_batch(draft: Eagle3Draft, doc_lengths: list[list[int]], seed: int = 1
 
 
 @pytest.mark.parametrize(
-    ("window", "doc_lengths", "ttt_length"),
+    ("window", "doc_lengths", "ttt_length", "options"),
     [
-        (None, [[13], [5, 8]], 3),
-        (None, [[2, 1, 7, 3], [6, 4]], 4),  # documents shorter than the unroll
-        (4, [[12], [9, 3]], 3),  # the window cuts depth-0 keys, and cuts more at deeper steps
+        (None, [[13], [5, 8]], 3, {}),
+        (None, [[2, 1, 7, 3], [6, 4]], 4, {}),  # documents shorter than the unroll
+        # the window cuts depth-0 keys: the W most recent context keys at every depth (served)
+        (4, [[12], [9, 3]], 3, {"window_mode": "context"}),
+        # ... or W positions back from the drafted token: it cuts more at deeper steps
+        (4, [[12], [9, 3]], 3, {"window_mode": "position"}),
+        # EAGLE-3.1: per-aux-layer norms before fc, the normed output fed to the next depth
+        (None, [[13], [5, 8]], 3, {"fc_norm": True, "norm_output": True}),
+        (4, [[2, 1, 7, 3], [6, 4]], 4, {"fc_norm": True, "norm_output": True}),
     ],
 )
-def test_ttt_equals_step_by_step_reference(window, doc_lengths, ttt_length):
-    draft = tiny_draft(window)
+def test_ttt_equals_step_by_step_reference(window, doc_lengths, ttt_length, options):
+    draft = tiny_draft(window, **options)
     aux, ids, pos, loss_mask, teacher, valid, docs = packed_batch(draft, doc_lengths)
     out = ttt_forward(draft, aux, ids, pos, loss_mask, teacher, valid, docs, ttt_length=ttt_length)
     total, losses, counts, correct, hidden_ref = reference_ttt(
