@@ -6,14 +6,17 @@ install:
 	$(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -m pip install -q -e ".[test,dev]"
 
-# speculators 0.9.0 for the export tests (tests/pipelines/export/test_speculators.py): its
-# import-time dependencies from the extra, the package itself without its CUDA-torch pins.
+# The peers the tests check hsstore against, so that CI runs those tests instead of skipping them:
+# speculators 0.9.0 (tests/pipelines/export/test_speculators.py), eagle-harness 0.1.3's validator
+# (test_eagle4_harness.py) and SpecForge 0.2.0's offline trainer (tests/benchmarks/
+# test_specforge_peer.py). Their import-time dependencies come from the extra (and accelerate for
+# SpecForge); the packages themselves without their pins (CUDA torch, sglang, vLLM).
 peers: install
 	$(PYTHON) -m pip install -q -e ".[peers]"
-	$(PYTHON) -m pip install -q --no-deps speculators==0.9.0
+	$(PYTHON) -m pip install -q --no-deps speculators==0.9.0 eagle-harness==0.1.3 specforge==0.2.0
 
 # The README's test command; .ci/run calls exactly this.
-test: install
+test: peers
 	$(PYTHON) -m pytest -q
 
 test-fast: 
