@@ -508,7 +508,7 @@ def run_speed(args: argparse.Namespace) -> dict[str, Any]:
     print(f"target, store and SpecForge files ready in {time.perf_counter() - t0:.0f} s", flush=True)
     hp = hyperparameters(args, args.steps)
     hp["lr"] = 1e-4
-    warm = max(5, args.steps // 4)
+    warm = max(5, args.steps // 4) if args.steps >= 20 else 1  # a smoke run keeps all but step 1
     ours = train_hsstore_8b(store, target, work / "hsstore-8b", hp, args, draft_vocab)
     ours_tps = steady_tokens_per_s(work / "hsstore-8b" / "metrics.jsonl", warm)
     export = export_eagle3(work / "hsstore-8b", work / "hsstore-8b-export")
