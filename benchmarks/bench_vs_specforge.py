@@ -285,7 +285,7 @@ def stage_prepare(args: argparse.Namespace) -> dict[str, Any]:
         "train_records": sum(1 for _ in train_jsonl.open()), "heldout_records": sum(1 for _ in heldout_jsonl.open()),
         "train_samples": store.num_samples, "train_tokens": store.num_tokens,
         "hsstore_steps": steps, "specforge_steps": {k: len(v) for k, v in orders.items()},
-        "orders": orders, "prompts": str(prompts), "prepare_seconds": time.perf_counter() - t0,
+        "orders": orders, "prompts": str(prompts), "prepare_seconds": time.perf_counter() - t0, "machine": machine(),
     }
     paths["plan"].write_text(json.dumps(plan))
     return plan
@@ -374,7 +374,7 @@ def stage_decode(args: argparse.Namespace) -> None:
             continue
         scores = decode(Path(result["export_dir"]), prompts, Path(args.target), args.eval_device, args,
                         paths["work"] / f"eval-{result['trainer']}-{result['seed']}")
-        result.update(scores)
+        result.update(scores, decode_prompts=args.prompts, decode_max_new_tokens=args.max_new_tokens)
         result_file.write_text(json.dumps(result))
         print(result["trainer"], result["seed"], scores, flush=True)
 
@@ -397,10 +397,15 @@ def stage_report(args: argparse.Namespace) -> dict[str, Any]:
         "steps": {"hsstore": plan["hsstore_steps"], "specforge": plan["specforge_steps"]},
         "epochs": plan["epochs"],
         "seeds": len(runs["hsstore"]),
-        "hyperparameters": {k: list(v) if isinstance(v, tuple) else v for k, v in hyperparameters(args, 0).items() if k != "steps"},
+        "hyperparameters": {
+            **{k: list(v) if isinstance(v, tuple) else v for k, v in hyperparameters(args, 0).items() if k not in ("steps", "warmup_steps")},
+            "warmup": "linear over 5% of each run's steps, then cosine to 0",
+        },
+        "trained_on": plan.get("machine") or args.trained_on,
+        "decoded_on": machine(),
         **{k: plan[k] for k in ("train_records", "heldout_records", "train_samples", "train_tokens", "max_length", "token_budget")},
-        "eval_prompts": args.prompts,
-        "max_new_tokens": args.max_new_tokens,
+        "eval_prompts": next((r["decode_prompts"] for r in runs["hsstore"] if "decode_prompts" in r), args.prompts),
+        "max_new_tokens": next((r["decode_max_new_tokens"] for r in runs["hsstore"] if "decode_max_new_tokens" in r), args.max_new_tokens),
         "hsstore": ours,
         "specforge": theirs,
         "verdicts": verdicts(ours, theirs),
@@ -593,6 +598,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--loss-normalization", choices=("scored", "tokens"), default="scored",
                         help="train-hsstore: the trainer's loss_normalization (tokens: reported as hsstore_tokens)")
     parser.add_argument("--concurrent", action="store_true", help="this training runs beside others (its tokens/s is not reported)")
+    parser.add_argument("--trained-on", default=None, help="report: the training machine, for plans that did not record it")
     parser.add_argument("--draft-root", default=None, help="decode: the exported drafts' folder, if moved")
     parser.add_argument("--redo", action="store_true", help="decode: again even where done")
     parser.add_argument("--data", default=None)
