@@ -307,9 +307,11 @@ def stage_train(args: argparse.Namespace, trainer: str) -> None:
     target = Path(args.target)
     if trainer == "hsstore" and args.loss_normalization != "scored":
         trainer = f"hsstore_{args.loss_normalization}"  # a variant, reported beside the default
+    if trainer == "hsstore" and args.equal_steps:
+        trainer = "hsstore_equal_steps"  # SpecForge's step count: the packed rows run past the epochs
     for seed in args.seeds:
         out = paths["work"] / f"{trainer}-seed{seed}"
-        steps_key = "specforge_steps" if trainer == "specforge" else "hsstore_steps"
+        steps_key = "specforge_steps" if trainer in ("specforge", "hsstore_equal_steps") else "hsstore_steps"
         hp = hyperparameters(args, plan[steps_key][str(seed)])
         if trainer.startswith("hsstore"):
             summary = train_hsstore(str(paths["train_store"]), target, out, seed, hp, args.device, args.loss_normalization)
@@ -597,6 +599,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heldout-samples", type=int, default=64)
     parser.add_argument("--loss-normalization", choices=("scored", "tokens"), default="scored",
                         help="train-hsstore: the trainer's loss_normalization (tokens: reported as hsstore_tokens)")
+    parser.add_argument("--equal-steps", action="store_true",
+                        help="train-hsstore: as many steps as SpecForge takes (reported as hsstore_equal_steps)")
     parser.add_argument("--concurrent", action="store_true", help="this training runs beside others (its tokens/s is not reported)")
     parser.add_argument("--trained-on", default=None, help="report: the training machine, for plans that did not record it")
     parser.add_argument("--draft-root", default=None, help="decode: the exported drafts' folder, if moved")
