@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 import hsstore
-from hsstore import FeatureSpec, Lineage, TargetIdentity
+from hsstore import FeatureSpec, Lineage
 from hsstore.aux_layers import AUX_HIDDEN_STATES, FINAL_HIDDEN_STATE, TOPK_IDS, TOPK_LOGITS
 from pipelines.peer_import.sources import (
     Expectation,
@@ -41,6 +41,7 @@ from pipelines.peer_import.sources import (
 )
 from pipelines.target_identity import (
     chat_template_sha256,
+    identity_model,
     read_chat_template,
     target_identity,
     tokenizer_sha256,
@@ -71,23 +72,14 @@ def import_lineage(
     target_dir: str, aux_layer_ids: list[int], fingerprint: str, extra: dict[str, Any], teacher: str
 ) -> Lineage:
     """The store's lineage, the target's identity computed as extraction computes it."""
-    identity = target_identity(target_dir)
-    if max(aux_layer_ids) > identity["num_hidden_layers"] or min(aux_layer_ids) < 0:
+    identity = identity_model(target_dir)
+    if max(aux_layer_ids) > identity.num_hidden_layers or min(aux_layer_ids) < 0:
         raise ImportSourceError(
-            f"--aux-layer-ids {aux_layer_ids}: the target has {identity['num_hidden_layers']} layers "
-            f"(ids 0..{identity['num_hidden_layers']} in the hidden_states numbering)"
+            f"--aux-layer-ids {aux_layer_ids}: the target has {identity.num_hidden_layers} layers "
+            f"(ids 0..{identity.num_hidden_layers} in the hidden_states numbering)"
         )
     return Lineage(
-        target=TargetIdentity(
-            name_or_path=target_dir,
-            architecture=identity["architecture"] or "",
-            model_type=identity["model_type"] or "",
-            config_sha256=identity["config_sha256"],
-            weights_sha256=identity["weight_files"],
-            num_hidden_layers=identity["num_hidden_layers"],
-            hidden_size=identity["hidden_size"],
-            vocab_size=identity["vocab_size"],
-        ),
+        target=identity,
         tokenizer_sha256=tokenizer_sha256(target_dir),
         chat_template_sha256=chat_template_sha256(read_chat_template(target_dir)),
         aux_layer_ids=list(aux_layer_ids),
