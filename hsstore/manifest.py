@@ -13,7 +13,7 @@ import json
 import re
 import zlib
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -199,6 +199,18 @@ class StoreManifest(BaseModel):
 
 def parse_manifest(data: bytes | str, source: str = MANIFEST_NAME) -> StoreManifest:
     """Parse and validate manifest JSON; every error names ``source`` and the offending field."""
+    return parse_versioned_json(data, source, StoreManifest, SUPPORTED_FORMAT_VERSIONS, "manifest", "store")
+
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+def parse_versioned_json(
+    data: bytes | str, source: str, model: type[ModelT], supported: tuple[int, ...], what: str, holder: str
+) -> ModelT:
+    """JSON with a ``format_version`` validated into ``model`` (a store's manifest, a generated
+    dataset's): unknown versions refused, every error a ManifestError naming ``source`` and the
+    offending field. ``what`` names the document, ``holder`` what it describes, in the messages."""
     try:
         raw: Any = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -206,15 +218,15 @@ def parse_manifest(data: bytes | str, source: str = MANIFEST_NAME) -> StoreManif
     if not isinstance(raw, dict):
         raise ManifestError(f"{source}: expected a JSON object, found {type(raw).__name__}")
     version = raw.get("format_version")
-    if version not in SUPPORTED_FORMAT_VERSIONS:
+    if version not in supported:
         raise ManifestError(
             f"{source}: format_version {version!r} is not supported by this hsstore "
-            f"(supported: {list(SUPPORTED_FORMAT_VERSIONS)}); upgrade hsstore to read this store"
+            f"(supported: {list(supported)}); upgrade hsstore to read this {holder}"
         )
     try:
-        return StoreManifest.model_validate(raw)
+        return model.model_validate(raw)
     except ValidationError as err:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in err.errors()
         )
-        raise ManifestError(f"{source}: invalid manifest: {problems}") from err
+        raise ManifestError(f"{source}: invalid {what}: {problems}") from err

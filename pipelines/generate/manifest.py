@@ -17,11 +17,11 @@ import json
 import posixpath
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from hsstore.errors import HsstoreError, ManifestError
+from hsstore.errors import HsstoreError
 from hsstore.location import StoreLocation
-from hsstore.manifest import now_iso
+from hsstore.manifest import now_iso, parse_versioned_json
 
 MANIFEST_NAME = "generation.json"
 FORMAT_VERSION = 1
@@ -92,24 +92,10 @@ def read_manifest(location: StoreLocation) -> GenerationManifest | None:
     """The folder's manifest, or None when there is none yet."""
     if not location.exists(MANIFEST_NAME):
         return None
-    source = location.path(MANIFEST_NAME)
-    try:
-        raw = json.loads(location.read_bytes(MANIFEST_NAME))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ManifestError(f"{source}: not valid JSON ({err})") from err
-    version = raw.get("format_version") if isinstance(raw, dict) else None
-    if version not in SUPPORTED_FORMAT_VERSIONS:
-        raise ManifestError(
-            f"{source}: format_version {version!r} is not supported "
-            f"(supported: {list(SUPPORTED_FORMAT_VERSIONS)}); upgrade hsstore"
-        )
-    try:
-        return GenerationManifest.model_validate(raw)
-    except ValidationError as err:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in err.errors()
-        )
-        raise ManifestError(f"{source}: invalid generation manifest: {problems}") from err
+    return parse_versioned_json(
+        location.read_bytes(MANIFEST_NAME), location.path(MANIFEST_NAME), GenerationManifest,
+        SUPPORTED_FORMAT_VERSIONS, "generation manifest", "dataset",
+    )
 
 
 def write_manifest(location: StoreLocation, manifest: GenerationManifest) -> None:
