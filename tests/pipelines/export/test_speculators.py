@@ -80,6 +80,21 @@ def speculators_logits(model, aux_BTKH, ids_BT, pos_BT, docs_BT) -> list[torch.T
     return captured
 
 
+def assert_forward_equals_speculators(draft: Eagle3Draft, model, *, top1: bool = False) -> None:
+    """speculators' forward of ``model`` equals ``draft``'s TTT unroll on packed inputs, depth by
+    depth, to 1e-5 in the logits (and the same argmax everywhere with ``top1``)."""
+    aux, ids, pos, docs = packed_inputs(draft.config)
+    theirs = speculators_logits(model, aux, ids, pos, docs)
+    with torch.no_grad():
+        ours = ttt_unroll(draft, aux, ids, pos, docs, ttt_length=TTT_STEPS, attention="eager")
+        for depth in range(TTT_STEPS):
+            logits = draft.compute_logits(ours[depth])
+            diff = (logits - theirs[depth]).abs().max().item()
+            assert diff <= 1e-5, f"depth {depth}: max |logit difference| {diff:.2e}"
+            if top1:
+                assert torch.equal(logits.argmax(-1), theirs[depth].argmax(-1))
+
+
 def packed_inputs(config: Eagle3Config, doc_lengths=(70, 58), seed: int = 1):
     """One packed row of two documents (positions restart), 128 tokens: speculators' flex mask
     is built in 128-token blocks."""
@@ -114,14 +129,7 @@ def test_speculators_loads_the_export_and_its_forward_equals_ours(tmp_path: Path
     torch.testing.assert_close(model.embed_tokens.weight, draft.embed_tokens.weight, rtol=0, atol=0)
     assert torch.equal(model.d2t, draft.d2t) and torch.equal(model.t2d, draft.t2d)
 
-    aux, ids, pos, docs = packed_inputs(draft.config)
-    theirs = speculators_logits(model, aux, ids, pos, docs)
-    with torch.no_grad():
-        ours = ttt_unroll(draft, aux, ids, pos, docs, ttt_length=TTT_STEPS, attention="eager")
-        for depth in range(TTT_STEPS):
-            diff = (draft.compute_logits(ours[depth]) - theirs[depth]).abs().max().item()
-            assert diff <= 1e-5, f"depth {depth}: max |logit difference| {diff:.2e}"
-            assert torch.equal(draft.compute_logits(ours[depth]).argmax(-1), theirs[depth].argmax(-1))
+    assert_forward_equals_speculators(draft, model, top1=True)
 
     # load_draft reads the speculators export back exactly (the evaluation harness does).
     reloaded = load_draft(out)

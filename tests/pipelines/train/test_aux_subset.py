@@ -76,17 +76,13 @@ def test_an_eagle31_draft_on_a_layer_subset_trains_exports_for_speculators_and_e
     8-layer target is [2, 4, 5]) with EAGLE-3.1's norms, trained, exported as speculators' format
     (verifier and ids from the run), loaded by speculators' own model class with a forward equal to
     ours, and evaluated from its checkpoint and from the export."""
-    import torch
 
     from pipelines.evaluate import EvaluateRecipe, run_evaluation
     from pipelines.export.serving import export_draft
     from pipelines.models.checkpoint import load_draft
     from pipelines.recipe import build_recipe
-    from pipelines.train.ttt import ttt_unroll
     from tests.pipelines.export.test_speculators import (
-        TTT_STEPS,
-        packed_inputs,
-        speculators_logits,
+        assert_forward_equals_speculators,
         speculators_model_class,
     )
 
@@ -119,10 +115,4 @@ def test_an_eagle31_draft_on_a_layer_subset_trains_exports_for_speculators_and_e
     model = speculators_model_class().from_pretrained(str(out)).eval()
     assert model.config.eagle_aux_hidden_state_layer_ids == [1, 4, 6]
     draft = draft.float()
-    aux, ids, pos, docs = packed_inputs(draft.config)
-    theirs = speculators_logits(model, aux, ids, pos, docs)
-    with torch.no_grad():
-        ours = ttt_unroll(draft, aux, ids, pos, docs, ttt_length=TTT_STEPS, attention="eager")
-        for depth in range(TTT_STEPS):
-            diff = (draft.compute_logits(ours[depth]) - theirs[depth]).abs().max().item()
-            assert diff <= 1e-5, f"depth {depth}: max |logit difference| {diff:.2e}"
+    assert_forward_equals_speculators(draft, model)
