@@ -68,6 +68,9 @@ class BuildOptions:
     windows_per_file: int = 1
     include_tests: bool = False
     max_files: int | None = None
+    # The raw-data baseline of the reference draft's ladder: each chat prompt answered by the
+    # file's own continuation (up to this many characters, cut at a line end) instead of no answer.
+    human_answer_chars: int | None = None
 
 
 @dataclass
@@ -172,15 +175,14 @@ def make_records(relative: str, text: str, options: BuildOptions) -> list[dict[s
             cut = _line_cut(text, low + _stable(relative, salt) % (high - low))
             if cut >= len(text):
                 continue  # nothing left to continue
-            records.append(
-                {
-                    "id": f"prompts/{relative}#{window}",
-                    "messages": [
-                        {"role": "system", "content": SYSTEM_PROMPT},
-                        {"role": "user", "content": USER_PREFIX + text[:cut]},
-                    ],
-                }
-            )
+            messages = [
+                {"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": USER_PREFIX + text[:cut]},
+            ]
+            if options.human_answer_chars is not None:
+                end = _line_cut(text, min(len(text) - 1, cut + options.human_answer_chars - 1))
+                messages.append({"role": "assistant", "content": text[cut:end]})
+            records.append({"id": f"prompts/{relative}#{window}", "messages": messages})
         else:
             start = 0 if window == 0 else _line_cut(text, _stable(relative, salt) % max(1, len(text) // 2))
             piece = text[start : start + options.max_text_chars]
@@ -268,6 +270,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-files", type=int, default=None)
     parser.add_argument("--windows-per-file", type=int, default=1)
     parser.add_argument("--include-tests", action="store_true")
+    parser.add_argument(
+        "--human-answers",
+        type=int,
+        default=None,
+        metavar="CHARS",
+        help="answer each chat prompt with the file's own continuation (up to CHARS, cut at a line "
+        "end): the same prompts as raw data, the baseline of the reference draft's ladder",
+    )
     args = parser.parse_args(argv)
     reserved_path = Path(args.reserved)
     if not reserved_path.exists():
@@ -275,7 +285,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     eval_files = [Path(p) for p in (args.eval or [shared / "eval_prompts.jsonl", repo_data / "eval_prompts.jsonl"])]
     options = BuildOptions(
-        windows_per_file=args.windows_per_file, include_tests=args.include_tests, max_files=args.max_files
+        windows_per_file=args.windows_per_file,
+        include_tests=args.include_tests,
+        max_files=args.max_files,
+        human_answer_chars=args.human_answers,
     )
     records, summary = build_prompts(
         installed_roots(), read_reserved(reserved_path), [p for p in eval_files if p.exists()], options

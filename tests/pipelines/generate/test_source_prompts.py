@@ -99,6 +99,29 @@ def test_tests_and_windows_options(tree: dict[str, object]) -> None:
     assert kinds == {True, False}  # the two windows alternate kinds
 
 
+def test_human_answers_continue_the_file_from_the_cut(tree: dict[str, object]) -> None:
+    """The raw-data baseline: the same prompts, each answered by the file's own next lines."""
+    plain, _ = build_prompts(tree["roots"], tree["reserved"], tree["eval"], BuildOptions(min_chars=100))  # type: ignore[arg-type]
+    answered, _ = build_prompts(
+        tree["roots"], tree["reserved"], tree["eval"], BuildOptions(min_chars=100, human_answer_chars=200)  # type: ignore[arg-type]
+    )
+    assert [r["id"] for r in answered] == [r["id"] for r in plain]
+    chats = 0
+    for before, after in zip(plain, answered, strict=True):
+        if "text" in before:
+            assert after == before  # raw prefixes are already raw data
+            continue
+        chats += 1
+        assert after["messages"][:2] == before["messages"]  # type: ignore[index]
+        assert after["messages"][2]["role"] == "assistant"  # type: ignore[index]
+        prefix = after["messages"][1]["content"].removeprefix(USER_PREFIX)  # type: ignore[index]
+        answer = after["messages"][2]["content"]  # type: ignore[index]
+        source = next(CODE.replace("value", n) for n in ("a", "kept") if CODE.replace("value", n).startswith(prefix))
+        assert source.startswith(prefix + answer) and answer.endswith("\n")
+        assert 0 < len(answer) <= 200 + source[len(prefix) + 200 :].find("\n") + 1
+    assert chats >= 1
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not (SHARED_DATA / "reserved_sources.sha256").exists(), reason="needs ../shared/data")
 def test_the_installed_python_gives_no_reserved_file(tmp_path: Path) -> None:

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The reference draft's ladder (issue 28) on the lent H200, in two stages that each fit one
+# 10-minute device call. Carry [".gpu/whl", ".gpu-data"]: hsstore's small wheels
+# (../shared/gpu/make-bundle.sh; Ray is not needed: every job runs in process) and the prompt sets,
+# built here (the GPU machine has another Python, hence other sources) and xz-packed:
+#   python3 -m pipelines.generate.source_prompts --out runs/source-prompts.jsonl --max-files 4000
+#   python3 -m pipelines.generate.source_prompts --out runs/source-raw.jsonl --max-files 4000 --human-answers 2000
+#   mkdir -p .gpu-data && xz -9 -c runs/source-prompts.jsonl > .gpu-data/source-prompts.jsonl.xz (and source-raw)
+#   bash benchmarks/gpu_reference_draft.sh generate   # greedy and T=1 answers side by side, then generate-h200.json
+#   (bring the two generated datasets back into .gpu-data/, then)
+#   bash benchmarks/gpu_reference_draft.sh train      # extract the three rungs, train each at equal steps, export
+# The acceptance lengths are then measured on the CPU (benchmarks/bench_reference_draft.py).
+set -uo pipefail
+stage=${1:?stage}
+OUT=${OUT:-/tmp/reference-draft-out}
+STEPS=${STEPS:-1500}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .gpu/whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+W=/tmp/reference-draft
+mkdir -p "$W"
+for name in source-prompts source-raw; do
+  [ -f "$W/$name.jsonl" ] || [ ! -f ".gpu-data/$name.jsonl.xz" ] || xz -dc ".gpu-data/$name.jsonl.xz" > "$W/$name.jsonl"
+done
+hs() { python3 -m pipelines.cli "$@"; }
+case "$stage" in
+  generate)
+    # The 19M target leaves the H200 idle at batch 128: both rungs share it, with bigger batches.
+    for rung in greedy t1; do
+      temp=0.0; [ "$rung" = t1 ] && temp=1.0
+      timeout "${GEN_SECONDS:-390}" python3 -m pipelines.cli generate recipes/reference/generate.yaml \
+        --set "data=[examples/data/draft_train_slice.jsonl,$W/source-prompts.jsonl]" \
+        --set "output=$W/gen-$rung" --set sampling.temperature=$temp \
+        --set batching.max_batch_size=512 --set batching.token_budget=1048576 --set units.max_records=512 \
+        > "$OUT/generate-$rung.log" 2>&1 &
+    done
+    wait
+    tail -n 12 "$OUT"/generate-*.log
+    for rung in greedy t1; do tar cJf "$OUT/gen-$rung.tar.xz" -C "$W" "gen-$rung"; done
+    timeout "${BENCH_SECONDS:-170}" python3 benchmarks/bench_generate.py --shape qwen3-8b --device cuda \
+      --out "$OUT/generate-h200.json" 2>&1 | tail -n 30 ;;
+  train)
+    for rung in greedy t1; do
+      [ -d "$W/gen-$rung" ] || tar xJf ".gpu-data/gen-$rung.tar.xz" -C "$W"
+    done
+    declare -A data=(
+      [raw]="examples/data/draft_train_slice.jsonl,$W/source-raw.jsonl"
+      [greedy]="$W/gen-greedy" [t1]="$W/gen-t1"
+    )
+    for rung in raw greedy t1; do
+      hs extract recipes/reference/extract.yaml --set "data=[${data[$rung]}]" --set "store=$W/store-$rung" \
+        --set executor=local > "$OUT/extract-$rung.log" 2>&1 &
+    done
+    wait
+    tail -n 6 "$OUT"/extract-*.log
+    for rung in raw greedy t1; do
+      hs train recipes/reference/train-reference-draft.yaml --set "store=$W/store-$rung" \
+        --set "output_dir=$W/draft-$rung" --set "max_steps=$STEPS" > "$OUT/train-$rung.log" 2>&1 &
+    done
+    wait
+    for rung in raw greedy t1; do
+      tail -n 4 "$OUT/train-$rung.log"
+      hs export "$W/draft-$rung" --format eagle3 --out "$W/export-$rung" --overwrite
+      cp "$W/draft-$rung/metrics.jsonl" "$W/export-$rung/" 2>/dev/null
+      hs info "$W/store-$rung" > "$W/export-$rung/store-info.txt" 2>&1
+    done
+    tar czf "$OUT/drafts.tgz" -C "$W" export-raw export-greedy export-t1 ;;
+  *) echo "unknown stage $stage" >&2; exit 2 ;;
+esac
