@@ -1,5 +1,5 @@
-"""benchmarks/bench_reference_draft.py at a tiny size: three exported (untrained) drafts decode one
-prompts, and the report holds the keys issue 28 names (the numbers are measured in RESULTS.md)."""
+"""benchmarks/bench_reference_draft.py at a tiny size: three exported (untrained) drafts decode a
+prompt, and the report holds the keys issue 28 names (the numbers are measured in RESULTS.md)."""
 
 from __future__ import annotations
 
