@@ -44,12 +44,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from hsstore import FeatureSpec, Lineage, commit_shards  # noqa: E402
+from hsstore.aux_layers import default_aux_layer_ids  # noqa: E402
 from pipelines.extract.batching import collate, padding_waste, plan_batches  # noqa: E402
 from pipelines.extract.executors import LocalExecutor  # noqa: E402
 from pipelines.extract.plan import plan_units  # noqa: E402
 from pipelines.extract.tokenize import TokenizedSample  # noqa: E402
 from pipelines.extract.worker import ExtractionWorker, WorkerSpec, load_target  # noqa: E402
-from pipelines.target_identity import default_aux_layer_ids  # noqa: E402
 
 QWEN3_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-8b": dict(

@@ -11,7 +11,7 @@ layout and reads each back as a shuffled epoch of bf16 torch tensors, cold and w
   the library's own :class:`hsstore.loader.StreamingLoader` (shard order + windowed shuffle, long
   ``Store.read_token_range`` reads straight into the batch buffers, several in flight, rows packed
   to the same budget), decoded to bf16 tensors on the CPU (``decode_on_host=True``: fp8 is decoded
-  by the loader's assembler thread with :func:`hsstore.codecs.decode_torch`, then
+  by the loader's assembler thread with :func:`hsstore.format.codecs.decode_torch`, then
   :func:`hsstore.torch_data.to_device` views the bf16 bits). Each store epoch is also timed "bits only"
   (no decode): what the host hands a GPU, which decodes there (the production path).
 

@@ -8,7 +8,7 @@ loading the target again.
 Importing this package never imports torch, ray or transformers.
 """
 
-from hsstore import aux_layers, codecs
+from hsstore import aux_layers
 from hsstore.commit import commit_shards, committed_shard_ids, ensure_store
 from hsstore.errors import (
     AuxLayerError,
@@ -60,7 +60,6 @@ __all__ = [
     "StreamingLoader",
     "TargetIdentity",
     "aux_layers",
-    "codecs",
     "commit_shards",
     "committed_shard_ids",
     "ensure_store",

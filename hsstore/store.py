@@ -247,8 +247,8 @@ class Store:
         Keys are feature names (plus ``<name>.scale`` for fp8); ``input_ids``/``loss_mask`` come from
         the Arrow table. ``out`` may give, per array name, a C-contiguous destination of shape
         ``[stop - start, ...]`` and the stored dtype (e.g. a slice of a batch buffer): the rows are
-        read straight into it. Decode with :func:`hsstore.codecs.decode_torch` (on the GPU) or
-        :func:`hsstore.codecs.decode_numpy`, with the spec ``self.feature_spec(name, layers)``.
+        read straight into it. Decode with :func:`hsstore.format.codecs.decode_torch` (on the GPU) or
+        :func:`hsstore.format.codecs.decode_numpy`, with the spec ``self.feature_spec(name, layers)``.
 
         ``layers`` picks indices of a feature's leading axis (aux layers, in the order given): the
         result holds ``[stop - start, len(indices), ...]``. A feature written with

@@ -60,7 +60,7 @@ def to_device(
     pin_memory: bool = False,
     release: bool | None = None,
 ) -> DeviceBatch:
-    """Move a host batch to ``device`` and decode its features there (hsstore.codecs.decode_torch).
+    """Move a host batch to ``device`` and decode its features there (hsstore.format.codecs.decode_torch).
 
     Arrays may already be torch tensors (a DataLoader worker converts them to share memory).
 

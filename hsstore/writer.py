@@ -151,7 +151,7 @@ class ShardWriter:
         self, rows: Sequence[tuple[str, str, Any, Any]], arrays: dict[str, np.ndarray]
     ) -> None:
         """Append samples whose features are already encoded, e.g. on a GPU by
-        :func:`hsstore.codecs.encode_torch` and copied to the host (the extraction worker's path:
+        :func:`hsstore.format.codecs.encode_torch` and copied to the host (the extraction worker's path:
         the host does no codec work).
 
         ``rows``: ``(sample_id, source_id, input_ids, loss_mask)`` per sample, in the order their

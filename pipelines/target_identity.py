@@ -33,7 +33,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hsstore.aux_layers import default_aux_layer_ids  # noqa: F401  (re-exported: the one definition)
 from hsstore.lineage import TargetIdentity
 
 # Keys of config.json that record the writing software, not the model.

@@ -33,9 +33,9 @@ import numpy as np
 import torch
 
 import hsstore
-from hsstore import codecs
 from hsstore.aux_layers import AUX_HIDDEN_STATES, FINAL_HIDDEN_STATE
 from hsstore.errors import HsstoreError
+from hsstore.format import codecs
 from pipelines.export.peer_layouts import (
     SPECULATORS_HIDDEN_DIR,
     specforge_sample_path,

@@ -19,6 +19,7 @@ from typing import Any
 
 import hsstore
 from hsstore import FeatureSpec, Lineage
+from hsstore.aux_layers import default_aux_layer_ids
 from hsstore.errors import LineageMismatchError
 from hsstore.location import StoreLocation
 from pipelines.extract.capture import (
@@ -35,7 +36,6 @@ from pipelines.extract.tokenize import SampleTokenizer, TokenizedSample
 from pipelines.extract.worker import WorkUnit
 from pipelines.target_identity import (
     chat_template_sha256,
-    default_aux_layer_ids,
     identity_model,
     tokenizer_sha256,
 )

@@ -1,7 +1,7 @@
 """Overlap writing with compute: batches' features go to the shard on a background thread.
 
 The GPU must not wait for the host, nor the host do work the GPU does better. After each forward,
-:meth:`ShardSink.submit` encodes the packed features *on the device* (``hsstore.codecs.
+:meth:`ShardSink.submit` encodes the packed features *on the device* (``hsstore.format.codecs.
 encode_torch``: bf16 bits, or fp8 bits and power-of-two scales, the same bits the CPU encoder gives)
 and copies the encoded arrays to the host asynchronously on a side CUDA stream (the main stream goes
 straight on to the next forward), *paced*: in :data:`COPY_PIECES` pieces, one issued as each of the

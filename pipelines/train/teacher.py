@@ -7,7 +7,7 @@ a wrong top-1). Restricting and renormalising a softmax equals a softmax over th
 only the draft-vocabulary logits are ever materialised; the full vocabulary is visited only to
 find whether a token outside the draft vocabulary beats the best one inside, chunk by chunk.
 
-Three store features can carry the target's distribution (``hsstore.features``):
+Three store features can carry the target's distribution (``hsstore.aux_layers``):
 
 - ``final_hidden_state`` (post-norm, [T, H]): exact logits through the target's lm_head.
 - ``topk_logits`` / ``topk_ids`` ([T, k]): the softmax over the k stored logits; ids outside the

@@ -44,7 +44,7 @@ from pipelines.recipe import dump_recipe
 from pipelines.train import checkpoint as ckpt
 from pipelines.train.candidate import attach_candidate_head
 from pipelines.train.config import TrainRecipe
-from pipelines.train.distributed import (  # noqa: F401  (re-exported: earlier import path)
+from pipelines.train.distributed import (
     Distributed,
     all_reduce_,
     no_sync_unless,

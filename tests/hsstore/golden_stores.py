@@ -120,7 +120,7 @@ def expected_arrays(url: str | Path) -> dict[str, Any]:
         for key, bits in raw.items():
             result[f"bits.{shard.shard_id}.{key}"] = np.asarray(bits)
         for name, spec in store.features.items():
-            result[f"decoded.{shard.shard_id}.{name}"] = hsstore.codecs.decode_numpy(spec, raw)
+            result[f"decoded.{shard.shard_id}.{name}"] = hsstore.format.codecs.decode_numpy(spec, raw)
     return result
 
 

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from hsstore import CodecError, FeatureSpec, codecs
+from hsstore import CodecError, FeatureSpec
+from hsstore.format import codecs
 
 finite_floats = st.floats(min_value=-3e4, max_value=3e4, allow_nan=False, width=32)
 shapes = st.tuples(st.integers(0, 9), st.integers(1, 4), st.integers(1, 33))

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from hsstore import CodecError, FeatureSpec, ShardWriter, codecs, open_store
+from hsstore import CodecError, FeatureSpec, ShardWriter, open_store
 from hsstore.errors import StoreWriteError
+from hsstore.format import codecs
 
 
 def fp8_spec(shape: tuple[int, ...]) -> FeatureSpec:

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from hsstore import CodecError, FeatureSpec, codecs
-from hsstore.format import fp8
+from hsstore import CodecError, FeatureSpec
+from hsstore.format import codecs, fp8
 
 MIN_SCALE_EXPONENT, MAX_SCALE_EXPONENT = -126, 127  # every normal float32 power of two
 FAST_SCALE_EXPONENTS = (-117, 119)  # the range decode_torch's CPU fast path accepts

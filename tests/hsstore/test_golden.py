@@ -68,7 +68,7 @@ def test_hsstore_reads_golden_bit_exactly(compression: str) -> None:
             for key, bits in part.items():
                 assert _bytes_equal(bits, expected[f"bits.{shard.shard_id}.{key}"][start:stop]), key
         for name, spec in store.features.items():
-            decoded = hsstore.codecs.decode_numpy(spec, raw)
+            decoded = hsstore.format.codecs.decode_numpy(spec, raw)
             assert _bytes_equal(decoded, expected[f"decoded.{shard.shard_id}.{name}"]), name
     # Sample rows: ids and masks as written, features decoded from the same bits.
     offset = 0

@@ -73,7 +73,7 @@ class TestStoreContract:
         all_ids = np.concatenate([s["input_ids"] for s in samples])
         np.testing.assert_array_equal(raw["input_ids"], all_ids[5 : shard.num_tokens - 3])
         all_aux = np.concatenate([s["features"]["aux_hidden_states"] for s in samples])
-        decoded = hsstore.codecs.decode_numpy(store.features["aux_hidden_states"], raw)
+        decoded = hsstore.format.codecs.decode_numpy(store.features["aux_hidden_states"], raw)
         expected = torch.from_numpy(all_aux[5 : shard.num_tokens - 3]).to(torch.bfloat16).float().numpy()
         np.testing.assert_array_equal(decoded, expected)
         with pytest.raises(IndexError, match="outside shard"):

@@ -8,7 +8,6 @@ import torch
 
 from hsstore import AuxLayerError
 from hsstore.aux_layers import check_aux_layer_ids, default_aux_layer_ids
-from pipelines import target_identity
 from pipelines.evaluate.target import TargetModel, TargetModelError
 from pipelines.extract.capture import HiddenStateCapture
 
@@ -29,7 +28,6 @@ def test_defaults_are_clamped_and_deduplicated_in_one_place() -> None:
     assert default_aux_layer_ids(8) == [2, 4, 5]
     assert default_aux_layer_ids(4) == [1, 2]
     assert default_aux_layer_ids(1) == [0, 1]
-    assert target_identity.default_aux_layer_ids is default_aux_layer_ids
     with pytest.raises(AuxLayerError, match="num_hidden_layers must be >= 1"):
         default_aux_layer_ids(0)
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from hsstore.aux_layers import default_aux_layer_ids
 from pipelines.target_identity import (
     chat_template_sha256,
     config_sha256,
-    default_aux_layer_ids,
     read_chat_template,
     sha256_file,
     target_identity,

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import hsstore
-from hsstore import FeatureSpec, Lineage, ShardWriter, codecs, commit_shards
+from hsstore import FeatureSpec, Lineage, ShardWriter, commit_shards
+from hsstore.format import codecs
 from pipelines.extract.sink import HostBufferPool, SampleRow, ShardSink
 
 FEATURES = [
