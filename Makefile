@@ -2,9 +2,12 @@ PYTHON ?= python3
 
 .PHONY: install peers test test-fast lint typecheck demo bench-store
 
+# Everything a user runs ([all]: every job, s3://, plots) plus the test and lint tools. torch first,
+# pinned: its CPU wheel is on CI's disk, and a looser pin pulls CUDA. `pip install hsstore` alone is
+# the store library (tests/test_base_install.py checks it in a fresh venv).
 install:
 	$(PYTHON) -m pip install -q torch==2.13.0
-	$(PYTHON) -m pip install -q -e ".[test,dev]"
+	$(PYTHON) -m pip install -q -e ".[all,test,dev]"
 
 # The peers the tests check hsstore against, so that CI runs those tests instead of skipping them:
 # speculators 0.9.0 (tests/pipelines/export/test_speculators.py), eagle-harness 0.1.3's validator

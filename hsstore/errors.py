@@ -46,6 +46,11 @@ class AuxLayerError(HsstoreError, ValueError):
     """Aux layer ids outside what the target has (hsstore.aux_layers holds the accepted range)."""
 
 
+class MissingDependencyError(HsstoreError, ImportError):
+    """An optional module is not installed; the message names the extra that adds it
+    (:mod:`hsstore.extras`)."""
+
+
 def botocore_responses(err: BaseException) -> Iterator[dict[str, Any]]:
     """The botocore response dicts along ``err``'s chain of causes, outermost first: s3fs turns a
     botocore ``ClientError`` into an ``OSError`` and keeps it as ``__cause__``, with the status,

@@ -20,6 +20,7 @@ import pyarrow as pa
 
 from hsstore.commit import require_manifest
 from hsstore.errors import ShardCorruptError
+from hsstore.extras import import_optional
 from hsstore.format import codecs
 from hsstore.format.array_reader import ArrayReader
 from hsstore.format.chunk_layout import layout_of
@@ -338,8 +339,7 @@ class Store:
             for name in names:
                 sample[name] = codecs.decode_numpy(self.feature_spec(name, layers), raw)
             return sample
-        import torch
-
+        torch = import_optional("torch", "read_sample (torch tensors; as_numpy=True needs no torch)")
         sample["input_ids"] = torch.from_numpy(ids.astype(np.int64)).to(device)
         sample["loss_mask"] = torch.from_numpy(mask.astype(bool)).to(device)
         for name in names:

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from hsstore.errors import HsstoreError
+from hsstore.extras import EXTRA_OF_MODULE, missing_dependency
 
 # Modules that contribute subcommands, in the order ``hsstore --help`` lists them.
 SUBCOMMAND_MODULES = (
@@ -32,6 +33,25 @@ SUBCOMMAND_MODULES = (
 
 
 NOISY_LOGGERS = ("botocore", "aiobotocore", "s3fs")
+
+# `pip install hsstore` runs the store's verbs (info, verify, gc, inspect); a job run on a base
+# install stops with the extra to install instead of a traceback. The extra a command names when
+# torch, transformers or Ray is missing (others: the module's own extra, hsstore.extras).
+EXTRA_OF_COMMAND = {"extract": "extract", "generate": "extract", "sweep": "all", "demo": "all"}
+# Checked before the handler runs: a sweep reports each point's failure and carries on, so a missing
+# torch would read as one failed run per point.
+REQUIRED_MODULES = {"sweep": ("torch", "transformers")}
+
+
+def missing_extra_message(command: str, err: ModuleNotFoundError) -> str | None:
+    """What to install for ``err`` (a module an extra provides), or None for any other module."""
+    module = (err.name or "").partition(".")[0]
+    if module not in EXTRA_OF_MODULE:
+        return None
+    extra = EXTRA_OF_MODULE[module]
+    if extra in ("train", "extract"):
+        extra = EXTRA_OF_COMMAND.get(command, extra)
+    return str(missing_dependency(module, f"hsstore {command}", extra))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,9 +98,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        for module in REQUIRED_MODULES.get(args.command, ()):
+            importlib.import_module(module)
         return int(args.func(args) or 0)
     except HsstoreError as err:
         print(f"hsstore {args.command}: error: {err}", file=sys.stderr)
+        return 1
+    except ModuleNotFoundError as err:
+        hint = missing_extra_message(args.command, err)
+        if hint is None:
+            raise
+        print(f"hsstore {args.command}: error: {hint}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"hsstore {args.command}: interrupted", file=sys.stderr)

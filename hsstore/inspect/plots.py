@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hsstore.extras import import_optional
 from hsstore.inspect.health import StoreHealth, skip_set
 from hsstore.inspect.layers import layer_stats, token_frame
 from hsstore.inspect.samples import length_histogram, token_frequency
@@ -25,9 +26,8 @@ if TYPE_CHECKING:
 
 
 def _figure(width: float = 7.0, height: float = 4.0) -> Figure:
-    from matplotlib.figure import Figure
-
-    return Figure(figsize=(width, height), layout="constrained")
+    figure = import_optional("matplotlib.figure", "hsstore.inspect's plots").Figure
+    return figure(figsize=(width, height), layout="constrained")
 
 
 def _save(fig: Figure, path: str | os.PathLike[str] | None) -> Figure:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hsstore.errors import HsstoreError
+from hsstore.extras import import_optional
 
 if TYPE_CHECKING:
     from hsstore.store import Store
@@ -45,9 +46,8 @@ def load_tokenizer(store: Store, tokenizer: Any = "auto") -> Any | None:
         if found is None:
             return None
         tokenizer = found
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(os.fspath(tokenizer))
+    transformers = import_optional("transformers", "decoding tokens (--decode, tokenizer=)")
+    return transformers.AutoTokenizer.from_pretrained(os.fspath(tokenizer))
 
 
 def require_tokenizer(store: Store, tokenizer: Any) -> Any:
