@@ -91,3 +91,15 @@ def test_no_module_of_hsstore_is_long() -> None:
     """One concept per module: ~400 lines at most (issue 14's bound, with a little slack)."""
     lengths = {str(path.relative_to(PACKAGE)): len(path.read_text().splitlines()) for path in PACKAGE.rglob("*.py")}
     assert {name: n for name, n in lengths.items() if n > 420} == {}
+
+
+def test_hsstore_never_imports_pipelines() -> None:
+    """The layer rule (docs/architecture.md): pipelines build on hsstore, never the reverse."""
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            offenders += [f"{path.relative_to(PACKAGE)}: {n}" for n in names if n.split(".")[0] == "pipelines"]
+    assert offenders == []
