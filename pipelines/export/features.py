@@ -250,8 +250,8 @@ def _write_speculators_dataset(out: Path, rows: dict[str, list[Any]]) -> int:
         import datasets
     except ImportError as err:
         raise FeatureExportError(
-            "--format speculators writes a Hugging Face datasets folder: pip install datasets "
-            "(speculators itself requires it)"
+            "--format speculators writes a Hugging Face datasets folder: pip install 'hsstore[all]' "
+            "(or pip install datasets; speculators itself requires it)"
         ) from err
     dataset = datasets.Dataset.from_dict(rows)
     dataset.set_format(type="torch")

@@ -134,7 +134,7 @@ class SpeculatorsSource:
         try:
             from datasets import load_from_disk
         except ImportError as err:  # pragma: no cover - the extra installs it
-            raise ImportSourceError("reading a speculators dump needs `datasets` (pip install hsstore[peers])") from err
+            raise ImportSourceError("reading a speculators dump needs `datasets` (pip install 'hsstore[all]')") from err
         try:
             self.dataset = load_from_disk(str(source))
         except (FileNotFoundError, ValueError) as err:
