@@ -38,7 +38,7 @@ SETTINGS = [
 ]
 
 
-def evaluate(draft: Path, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def evaluate(draft: Path, args: argparse.Namespace, out: Path, settings: list[dict[str, Any]]) -> dict[str, Any]:
     from pipelines.evaluate.recipe import EvaluateRecipe
     from pipelines.evaluate.runner import run_evaluation
     from pipelines.recipe import build_recipe
@@ -52,7 +52,7 @@ def evaluate(draft: Path, args: argparse.Namespace, out: Path) -> dict[str, Any]
             "output_dir": str(out),
             "limit": args.limit,
             "max_new_tokens": args.max_new_tokens,
-            "settings": SETTINGS,
+            "settings": settings,
             "dtype": "float32",
             "device": args.device,
             "baseline": False,
@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--drafts", type=Path, required=True, help="folder holding export-<rung>/")
     parser.add_argument("--rungs", default=",".join(RUNGS), help="comma-separated rungs to decode")
+    parser.add_argument(
+        "--settings", default=",".join(s["name"] for s in SETTINGS), help="comma-separated settings to decode"
+    )
     parser.add_argument("--report", action="store_true", help="merge the rungs' results into --out")
     parser.add_argument("--shipped", default="greedy", help="the rung shipped as examples/reference-draft")
     parser.add_argument("--target", type=Path, default=REPO / "examples" / "reference-target")
@@ -103,19 +106,26 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if not args.report:
+        # One file per rung and setting: the settings of a rung can decode in separate processes.
+        chosen = [s for s in SETTINGS if s["name"] in args.settings.split(",")]
+        tag = "+".join(s["name"] for s in chosen)
         for rung in args.rungs.split(","):
             draft = args.drafts / f"export-{rung}"
-            scores = evaluate(draft, args, args.drafts / f"eval-{rung}")
-            result = {"rung": rung, **scores, **training_facts(draft)}
-            (args.drafts / f"result-{rung}.json").write_text(json.dumps(result, indent=2) + "\n")
+            scores = evaluate(draft, args, args.drafts / f"eval-{rung}-{tag}", chosen)
+            result = {"rung": rung, **scores}
+            (args.drafts / f"result-{rung}.{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
             print(json.dumps(result), flush=True)
         return 0
 
-    ladder = {}
+    ladder: dict[str, dict[str, Any]] = {}
     for rung in RUNGS:
-        path = args.drafts / f"result-{rung}.json"
-        if path.exists():
-            ladder[rung] = json.loads(path.read_text())
+        merged: dict[str, Any] = {"rung": rung, "decode_seconds": {}}
+        for path in sorted(args.drafts.glob(f"result-{rung}.*.json")):
+            result = json.loads(path.read_text())
+            merged["decode_seconds"][path.name.split(".")[1]] = result.pop("decode_seconds")
+            merged.update(result)
+        if len(merged) > 2:
+            ladder[rung] = merged | training_facts(args.drafts / f"export-{rung}")
     shipped, raw = ladder[args.shipped], ladder["raw"]
     report = {
         "al_tree_t0": shipped["al_tree_t0"],

@@ -14,6 +14,7 @@ set -uo pipefail
 stage=${1:?stage}
 OUT=${OUT:-/tmp/reference-draft-out}
 STEPS=${STEPS:-1500}
+SECONDS=0
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -42,12 +43,16 @@ case "$stage" in
     timeout "${BENCH_SECONDS:-170}" python3 benchmarks/bench_generate.py --shape qwen3-8b --device cuda \
       --out "$OUT/generate-h200.json" 2>&1 | tail -n 30 ;;
   train)
-    for rung in greedy t1; do
-      [ -d "$W/gen-$rung" ] || tar xJf ".gpu-data/gen-$rung.tar.xz" -C "$W"
+    # Each rung's data: by default the two generated datasets and the raw records (the bundled
+    # slice and the source prompts with their files' own continuations); RAW_DATA, GREEDY_DATA and
+    # T1_DATA (comma-separated) replace them, e.g. with a subset every rung shares.
+    for pack in .gpu-data/*.tar.xz; do [ -f "$pack" ] && tar xJf "$pack" -C "$W"; done
+    for packed in .gpu-data/*.jsonl.xz; do
+      [ -f "$packed" ] && xz -dc "$packed" > "$W/$(basename "$packed" .xz)"
     done
     declare -A data=(
-      [raw]="examples/data/draft_train_slice.jsonl,$W/source-raw.jsonl"
-      [greedy]="$W/gen-greedy" [t1]="$W/gen-t1"
+      [raw]="${RAW_DATA:-examples/data/draft_train_slice.jsonl,$W/source-raw.jsonl}"
+      [greedy]="${GREEDY_DATA:-$W/gen-greedy}" [t1]="${T1_DATA:-$W/gen-t1}"
     )
     for rung in raw greedy t1; do
       hs extract recipes/reference/extract.yaml --set "data=[${data[$rung]}]" --set "store=$W/store-$rung" \
@@ -55,14 +60,21 @@ case "$stage" in
     done
     wait
     tail -n 6 "$OUT"/extract-*.log
+    # The three share the GPU (the 1-layer draft leaves it mostly idle); a time guard keeps the
+    # call inside its limit, and the export then takes the newest checkpoint all three reached.
     for rung in raw greedy t1; do
-      hs train recipes/reference/train-reference-draft.yaml --set "store=$W/store-$rung" \
-        --set "output_dir=$W/draft-$rung" --set "max_steps=$STEPS" > "$OUT/train-$rung.log" 2>&1 &
+      timeout $(( ${TRAIN_DEADLINE:-520} - SECONDS )) python3 -m pipelines.cli train \
+        recipes/reference/train-reference-draft.yaml --set "store=$W/store-$rung" \
+        --set "output_dir=$W/draft-$rung" --set "max_steps=$STEPS" --set checkpoint_every=250 \
+        > "$OUT/train-$rung.log" 2>&1 &
     done
     wait
     for rung in raw greedy t1; do
-      tail -n 4 "$OUT/train-$rung.log"
-      hs export "$W/draft-$rung" --format eagle3 --out "$W/export-$rung" --overwrite
+      tail -n 3 "$OUT/train-$rung.log"
+      checkpoint="$W/draft-$rung/checkpoints/final"
+      [ -d "$checkpoint" ] || checkpoint=$(ls -d "$W/draft-$rung"/checkpoints/step_* | sort -t_ -k2 -n | tail -1)
+      hs export "$checkpoint" --format eagle3 --out "$W/export-$rung" --overwrite
+      echo "$checkpoint" > "$W/export-$rung/checkpoint.txt"
       cp "$W/draft-$rung/metrics.jsonl" "$W/export-$rung/" 2>/dev/null
       hs info "$W/store-$rung" > "$W/export-$rung/store-info.txt" 2>&1
     done

@@ -8,6 +8,9 @@ target, and print one table. Every step uses the same recipes a user runs
 
 Rerunning with the same ``--workdir`` resumes: committed extraction units are skipped and training
 continues from its newest checkpoint. ``--fresh`` starts over.
+
+``--draft DIR`` skips the first three steps and evaluates a draft already exported, such as the
+shipped ``examples/reference-draft`` (trained on the target's own answers: docs/generate.md).
 """
 
 from __future__ import annotations
@@ -44,10 +47,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--executor", choices=["ray", "local"], default="ray", help="extraction executor"
     )
     parser.add_argument("--fresh", action="store_true", help="delete --workdir first")
+    parser.add_argument(
+        "--draft",
+        default=None,
+        metavar="DIR",
+        help="evaluate this exported draft (e.g. examples/reference-draft) instead of extracting and training one",
+    )
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.draft is not None:
+        results = run_draft_demo(
+            Path(args.draft),
+            workdir=Path(args.workdir),
+            gpu=args.gpu,
+            prompts=args.prompts,
+            max_new_tokens=args.max_new_tokens,
+        )
+        print(format_table(results))
+        return 0
     results = run_demo(
         workdir=Path(args.workdir),
         gpu=args.gpu,
@@ -78,7 +97,6 @@ def run_demo(
     """Run the four steps and return what the table shows (also written to ``workdir/demo.json``)."""
     import hsstore
     from pipelines.evaluate import run_evaluation
-    from pipelines.evaluate.recipe import EvaluateRecipe
     from pipelines.export.serving import export_draft
     from pipelines.extract import ExtractRecipe, run_extraction
     from pipelines.recipe import load_recipe
@@ -149,25 +167,9 @@ def run_demo(
 
     step("4/4 evaluate: real speculative decoding, the target verifies")
     started = time.perf_counter()
-    evaluate = load_recipe(
-        EvaluateRecipe,
-        RECIPES / "evaluate.yaml",
-        [
-            f"target={TARGET}",
-            f"draft={export_dir}",
-            f"prompts={EVAL_PROMPTS}",
-            f"output_dir={workdir / 'evaluate'}",
-            f"limit={prompts}",
-            f"max_new_tokens={max_new_tokens}",
-            f"dtype={dtype}",
-            f"device={device}",
-            # Greedy chain of 5 and the Eaglet tree 8/5/31; the recipe's sampled setting is left
-            # to `hsstore evaluate` to keep the demo short.
-            "settings=[{num_draft_tokens: 5}, {draft_top_k: 8, draft_depth: 5, total_draft_tokens: 31}]",
-            f"proxy.store={store_url}",
-        ],
+    evaluation = run_evaluation(
+        evaluate_recipe(export_dir, workdir, prompts, max_new_tokens, gpu, [f"proxy.store={store_url}"])
     )
-    evaluation = run_evaluation(evaluate)
     timings["evaluate_s"] = time.perf_counter() - started
 
     results = {
@@ -179,15 +181,7 @@ def run_demo(
         "train_steps": training["steps"],
         "train_tokens_per_s": training["tokens_per_s"],
         "train_final_acc": training["final_acc"],
-        "settings": [
-            {
-                "name": s["name"],
-                "acceptance_length": s["acceptance_length"],
-                "speedup": s.get("speedup"),
-                "greedy_agreement": s.get("greedy_agreement"),
-            }
-            for s in evaluation["settings"]
-        ],
+        "settings": settings_summary(evaluation),
         "artifacts": {
             "store": store_url,
             "rejects": str(Path(store_url) / "rejects"),
@@ -203,16 +197,79 @@ def run_demo(
     return results
 
 
+def evaluate_recipe(
+    draft: Path, workdir: Path, prompts: int, max_new_tokens: int, gpu: bool, extra: list[str]
+) -> Any:
+    """recipes/reference/evaluate.yaml for the demo: greedy chain of 5 and the Eaglet tree 8/5/31
+    (the recipe's sampled setting is left to `hsstore evaluate` to keep the demo short)."""
+    from pipelines.evaluate.recipe import EvaluateRecipe
+    from pipelines.recipe import load_recipe
+
+    return load_recipe(
+        EvaluateRecipe,
+        RECIPES / "evaluate.yaml",
+        [
+            f"target={TARGET}",
+            f"draft={draft}",
+            f"prompts={EVAL_PROMPTS}",
+            f"output_dir={workdir / 'evaluate'}",
+            f"limit={prompts}",
+            f"max_new_tokens={max_new_tokens}",
+            f"dtype={'bfloat16' if gpu else 'float32'}",
+            f"device={'cuda' if gpu else 'cpu'}",
+            "settings=[{num_draft_tokens: 5}, {draft_top_k: 8, draft_depth: 5, total_draft_tokens: 31}]",
+            *extra,
+        ],
+    )
+
+
+def run_draft_demo(
+    draft: Path, *, workdir: Path, gpu: bool = False, prompts: int = 10, max_new_tokens: int = 48
+) -> dict[str, Any]:
+    """Step 4 alone, on a draft already exported: acceptance length and speedup against the target."""
+    from pipelines.evaluate import run_evaluation
+
+    if not (draft / "config.json").exists():
+        raise FileNotFoundError(f"--draft {draft}: no config.json there (an exported eagle3/eagle4 draft folder)")
+    workdir.mkdir(parents=True, exist_ok=True)
+    print(f"\n== evaluate {draft}: real speculative decoding, the target verifies", flush=True)
+    started = time.perf_counter()
+    # No proxy: the offline proxy reads the store the draft was trained on, which did not ship.
+    evaluation = run_evaluation(evaluate_recipe(draft, workdir, prompts, max_new_tokens, gpu, ["proxy=null"]))
+    results = {
+        "settings": settings_summary(evaluation),
+        "artifacts": {"draft": str(draft), "evaluation": str(workdir / "evaluate" / "evaluation_results.json")},
+        "timings_s": {"evaluate_s": time.perf_counter() - started},
+        "device": "cuda" if gpu else "cpu",
+    }
+    (workdir / "demo.json").write_text(json.dumps(results, indent=2, default=str))
+    return results
+
+
+def settings_summary(evaluation: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": s["name"],
+            "acceptance_length": s["acceptance_length"],
+            "speedup": s.get("speedup"),
+            "greedy_agreement": s.get("greedy_agreement"),
+        }
+        for s in evaluation["settings"]
+    ]
+
+
 def format_table(results: dict[str, Any]) -> str:
     """The one table the demo prints."""
-    rows = [
-        ("samples extracted", f"{results['samples']:,}"),
-        ("tokens", f"{results['tokens']:,}"),
-        ("store bytes/token", f"{results['bytes_per_token']:,.0f}"),
-        ("extraction tokens/s", f"{results['extract_tokens_per_s']:,.0f}"),
-        ("training steps", f"{results['train_steps']:,}"),
-        ("training tokens/s", f"{results['train_tokens_per_s']:,.0f}"),
-    ]
+    rows = []
+    if "samples" in results:  # a full demo (a --draft demo evaluates only)
+        rows += [
+            ("samples extracted", f"{results['samples']:,}"),
+            ("tokens", f"{results['tokens']:,}"),
+            ("store bytes/token", f"{results['bytes_per_token']:,.0f}"),
+            ("extraction tokens/s", f"{results['extract_tokens_per_s']:,.0f}"),
+            ("training steps", f"{results['train_steps']:,}"),
+            ("training tokens/s", f"{results['train_tokens_per_s']:,.0f}"),
+        ]
     if results.get("train_final_acc"):
         rows.append(("train acc by depth", " ".join(f"{a:.2f}" for a in results["train_final_acc"])))
     for setting in results["settings"]:

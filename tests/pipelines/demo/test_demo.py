@@ -35,3 +35,35 @@ def test_demo_end_to_end_reaches_acceptance_above_one(tmp_path):
         assert Path(path).exists(), path
     # The printed acceptance length is the one in the results.
     assert f"{results['settings'][0]['acceptance_length']:.2f}" in out.stdout
+
+
+REFERENCE_DRAFT = Path(__file__).resolve().parents[3] / "examples" / "reference-draft"
+
+
+@pytest.mark.slow
+def test_demo_draft_evaluates_the_shipped_reference_draft(tmp_path):
+    """`hsstore demo --draft examples/reference-draft`: no extraction or training, and the shipped
+    draft (trained on the target's own answers) is accepted well above an untrained draft's ~1.0."""
+    workdir = tmp_path / "demo"
+    command = [
+        sys.executable, "-m", "pipelines.cli", "demo", "--draft", str(REFERENCE_DRAFT),
+        "--workdir", str(workdir), "--prompts", "3", "--max-new-tokens", "48",
+    ]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads((workdir / "demo.json").read_text())
+    assert not (workdir / "store").exists() and "samples" not in results  # nothing extracted or trained
+    by_name = {s["name"]: s for s in results["settings"]}
+    for setting in by_name.values():
+        agreement = setting["greedy_agreement"]
+        assert agreement["identical"] == agreement["num_prompts"] == 3
+    assert by_name["chain-5-greedy"]["acceptance_length"] > 1.6, results["settings"]
+    assert max(s["acceptance_length"] for s in results["settings"]) > 2.0, results["settings"]
+    assert f"{results['settings'][0]['acceptance_length']:.2f}" in out.stdout
+
+
+def test_demo_draft_names_a_folder_without_a_draft(tmp_path):
+    from pipelines.demo import run_draft_demo
+
+    with pytest.raises(FileNotFoundError, match=r"--draft .*nothing-here: no config.json"):
+        run_draft_demo(tmp_path / "nothing-here", workdir=tmp_path / "demo")
