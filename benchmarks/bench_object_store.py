@@ -46,9 +46,9 @@ if str(REPO) not in sys.path:
 import hsstore  # noqa: E402
 from benchmarks.moto_s3 import MotoS3  # noqa: E402
 from hsstore import FeatureSpec, Lineage  # noqa: E402
-from hsstore.range_reads import ENV_VAR as RANGE_READER_ENV  # noqa: E402
-from hsstore.range_reads import ObstoreRangeReader  # noqa: E402
 from hsstore.read_cache import ReadCache  # noqa: E402
+from hsstore.storage.s3_reads import ENV_VAR as RANGE_READER_ENV  # noqa: E402
+from hsstore.storage.s3_reads import ObstoreRangeReader  # noqa: E402
 
 FEATURES = ["aux_hidden_states", "final_hidden_state"]
 NUM_AUX = 3
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             ttfb_url = "s3://bench/ttfb-store"
             upload(ttfb_local, ttfb_url)
             s3.freeze()  # N read-only server processes from here on (nothing for one)
-            # s3: the default reader (HSSTORE_RANGE_READER unset: obstore where installed, hsstore.range_reads);
+            # s3: the default reader (HSSTORE_RANGE_READER unset: obstore where installed, hsstore.storage.s3_reads);
             # s3_fsspec: s3fs's cat_file, the reader before obstore became the default.
             runs: dict[str, list[dict[str, Any]]] = {"local": [], "s3": [], "s3_fsspec": [], "s3_cached_2nd_epoch": []}
             requests: list[dict[str, int]] = []

@@ -30,7 +30,7 @@ if str(REPO) not in sys.path:
 
 from benchmarks.bench_object_store import range_reader, upload, write_store  # noqa: E402
 from benchmarks.moto_s3 import MotoS3  # noqa: E402
-from hsstore.location import StoreLocation  # noqa: E402
+from hsstore.storage import StoreLocation  # noqa: E402
 from hsstore.verify import verify_store  # noqa: E402
 
 

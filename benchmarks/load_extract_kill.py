@@ -115,7 +115,7 @@ def run_load(
     """Extract ``records`` records into ``workdir/store`` with a busy actor SIGKILLed after every
     ``kill_every`` commits (None: no kills), and check the end state exactly."""
     import hsstore
-    from hsstore.location import StoreLocation
+    from hsstore.storage import StoreLocation
     from hsstore.verify import verify_store
     from pipelines.extract import run_extraction
     from pipelines.extract.driver import make_sample_tokenizer

@@ -4,7 +4,7 @@ Reads one epoch of a synthetic store (benchmarks/bench_object_store.py's) from m
 through obstore, ``--repeats`` times per ``read_threads`` value, with the local filesystem at the
 same value after each series (the baseline of the same run). Each S3 epoch reports tokens/s (whole
 epoch, and past its first batch) and the thread time summed over the read threads in the three
-things a read thread does per ranged GET: the GET itself (``StoreLocation.read_range``), the copy
+things a read thread does per ranged GET: the GET itself (``S3Backend.read_range``), the copy
 into the batch (``hsstore.read_cache.scatter``) and the crc32c of every chunk. The phases are
 timed by wrapping those three functions in this process (a few microseconds per call; the GETs
 are ~10 MB each).
@@ -31,9 +31,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import hsstore.format.array_reader as array_reader  # noqa: E402
+import hsstore.storage.base as storage_base  # noqa: E402
 from benchmarks.bench_object_store import range_reader, read_epoch, upload, write_store  # noqa: E402
 from benchmarks.moto_s3 import MotoS3  # noqa: E402
-from hsstore.location import StoreLocation  # noqa: E402
+from hsstore.storage import S3Backend  # noqa: E402
 
 
 class PhaseTimes:
@@ -75,10 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     phases = PhaseTimes()
-    plain = (array_reader.scatter, array_reader.crc32c_bytes, StoreLocation.read_range)
-    array_reader.scatter = phases.wrap("copy", array_reader.scatter)  # type: ignore[assignment]
+    plain = (storage_base.scatter, array_reader.crc32c_bytes, S3Backend.read_range)
+    # The copy of a GET's body into the batch: StoreLocation.read_range_into's (read_cache.scatter).
+    storage_base.scatter = phases.wrap("copy", storage_base.scatter)  # type: ignore[assignment]
     array_reader.crc32c_bytes = phases.wrap("crc32c", array_reader.crc32c_bytes)  # type: ignore[assignment]
-    StoreLocation.read_range = phases.wrap("get", StoreLocation.read_range)  # type: ignore[method-assign]
+    S3Backend.read_range = phases.wrap("get", S3Backend.read_range)  # type: ignore[method-assign]
 
     workdir = Path(tempfile.mkdtemp(prefix="profile-s3-reads-"))
     report: dict[str, Any] = {
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                 series["local"].append(epoch)
                 print(f"{name} local:      {epoch['tokens_per_s']:>9,.0f} tokens/s, past the first batch {epoch['steady_tokens_per_s']:>9,.0f}", flush=True)
     finally:
-        array_reader.scatter, array_reader.crc32c_bytes, StoreLocation.read_range = plain  # type: ignore[method-assign]
+        storage_base.scatter, array_reader.crc32c_bytes, S3Backend.read_range = plain  # type: ignore[method-assign]
         shutil.rmtree(workdir, ignore_errors=True)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

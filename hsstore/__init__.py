@@ -26,8 +26,8 @@ from hsstore.errors import (
 from hsstore.format.features import FeatureSpec
 from hsstore.lineage import Lineage, TargetIdentity
 from hsstore.loader import LoaderState, StreamingLoader
-from hsstore.location import StoreLocation
 from hsstore.manifest import FORMAT_VERSION, FileEntry, ShardRecord, StoreManifest, parse_manifest
+from hsstore.storage import StoreLocation
 from hsstore.store import Store, open_store
 from hsstore.store_writer import StoreWriter
 from hsstore.verify import Problem, verify_store

@@ -106,7 +106,7 @@ def build_catalog(store: Store) -> SampleCatalog:
     ]
     missing = [i for i, found in enumerate(lengths) if found is None]
     if missing:
-        threads = 1 if store.location.is_local else min(CATALOG_READS_IN_FLIGHT, len(missing))
+        threads = min(CATALOG_READS_IN_FLIGHT, len(missing)) if store.location.prefers_threads else 1
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hsstore-catalog") as pool:
             tables = list(pool.map(store.shard_samples, [shards[i].shard_id for i in missing]))
         for i, table in zip(missing, tables, strict=True):

@@ -1,28 +1,26 @@
 """Committing shards: the manifest read-merge-write that makes written shards visible, atomically.
 
 A shard becomes part of the store only when :func:`commit_shards` writes a manifest naming it. How
-concurrent committers are serialised depends on the backend (``StoreLocation.commit_guard``): a
-``flock`` locally, an in-process lock for ``memory://``, conditional PUTs on S3; docs/format.md and
-docs/reliability.md describe the scheme and what each backend guarantees.
+concurrent committers are serialised is the backend's (``StoreLocation.commit_lock`` and
+``write_bytes_if``): a ``flock`` locally, an in-process lock for ``memory://``, conditional PUTs on
+S3; docs/format.md and docs/reliability.md describe the scheme and what each backend guarantees.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import random
-import threading
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from hsstore.errors import CommitConflictError, ManifestError, StoreNotFoundError
 from hsstore.format.features import FeatureSpec
-from hsstore.format.layout import LOCK_NAME, MANIFEST_NAME
+from hsstore.format.layout import MANIFEST_NAME
 from hsstore.lineage import Lineage
-from hsstore.location import StoreLocation, as_location
 from hsstore.manifest import ShardRecord, StoreManifest, now_iso, parse_manifest
+from hsstore.storage import StoreLocation, as_location
 
 logger = logging.getLogger(__name__)
 
@@ -44,83 +42,7 @@ def committed_shard_ids(
     return {shard.shard_id for shard in manifest.shards} if manifest else set()
 
 
-# In-process locks for backends whose data lives in this process (memory://), one per store root.
-_PROCESS_LOCKS: dict[str, threading.Lock] = {}
-_PROCESS_LOCKS_GUARD = threading.Lock()
 COMMIT_ATTEMPTS = 50
-
-
-@contextlib.contextmanager
-def _commit_lock(location: StoreLocation, timeout_s: float = 60.0):  # type: ignore[no-untyped-def]
-    """Serialise committers of one store where the backend allows it (see ``commit_guard``).
-
-    * local: ``flock`` on ``manifest.lock``. The kernel releases it when its holder dies, so a killed
-      committer never leaves a stale lock and a slow live one is never robbed of it (a lock file
-      judged stale by its age can be both). The file itself stays; it holds the last holder's pid.
-    * memory://: a lock of this process (the filesystem is this process's memory).
-    * object stores: nothing to hold; :func:`commit_shards` uses conditional PUTs where the backend
-      has them (S3) and retries on a conflict.
-
-    Raises :class:`CommitConflictError` when the lock cannot be had within ``timeout_s``.
-    """
-    if location.commit_guard == "local":
-        with _local_lock(location, timeout_s):
-            yield
-    elif location.commit_guard == "process":
-        with _PROCESS_LOCKS_GUARD:
-            lock = _PROCESS_LOCKS.setdefault(location.fs.unstrip_protocol(location.root), threading.Lock())
-        if not lock.acquire(timeout=timeout_s):
-            raise CommitConflictError(
-                f"{location.url}: another committer in this process held the store for over {timeout_s:.0f}s"
-            )
-        try:
-            yield
-        finally:
-            lock.release()
-    else:
-        yield
-
-
-@contextlib.contextmanager
-def _local_lock(location: StoreLocation, timeout_s: float):  # type: ignore[no-untyped-def]
-    import fcntl
-
-    location.makedirs("")
-    lock_path = location.path(LOCK_NAME)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
-        try:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise CommitConflictError(
-                            f"{lock_path}: another process has been committing for over "
-                            f"{timeout_s:.0f}s (holder pid in the file)"
-                        ) from None
-                    time.sleep(0.005)
-            # The file may have been replaced while we waited (an older hsstore unlinked its lock
-            # file on release): hold the lock of the file that is at the path now, or try again.
-            try:
-                current = os.stat(lock_path).st_ino
-            except FileNotFoundError:
-                current = None
-            if current != os.fstat(fd).st_ino:
-                os.close(fd)
-                continue
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-            try:
-                yield
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            return
-        finally:
-            with contextlib.suppress(OSError):
-                os.close(fd)
 
 
 def _read_manifest_versioned(location: StoreLocation) -> tuple[StoreManifest | None, str | None]:
@@ -146,24 +68,27 @@ def commit_shards(
     must equal the store's: a store holds one extraction.
 
     Any number of committers may run at once (several drivers, a driver and a retried actor): each
-    commit is a read-merge-write serialised by the backend's guard (``StoreLocation.commit_guard``),
-    and on S3 a conditional PUT that lost a race re-reads, merges and tries again, so no committed
-    shard is ever lost. Only the ``unguarded`` backends keep a small window (docs/reliability.md).
+    commit is a read-merge-write serialised by the backend (``StoreLocation.commit_lock``), and a
+    publish that lost a race (``write_bytes_if``: S3's conditional PUT) re-reads, merges and tries
+    again, so no committed shard is ever lost. Only backends without a lock or a compare-and-swap
+    (gs:// ...) keep a small window (docs/reliability.md).
     """
     location = as_location(url, storage_options)
     records = list(shards)
     delay = 0.01
     for attempt in range(1, COMMIT_ATTEMPTS + 1):
-        try:
-            with _commit_lock(location):
+        # A lock timeout raises out of commit_lock: retrying would only wait longer. A conflict
+        # raised by the publish (the manifest moved since it was read) is merged again.
+        with location.commit_lock():
+            try:
                 return _commit_once(location, records, features, lineage)
-        except CommitConflictError as err:
-            if location.commit_guard in ("local", "process") or attempt == COMMIT_ATTEMPTS:
-                raise  # a lock timeout: retrying would only wait longer
-            logger.info("manifest commit conflict (attempt %d): %s; retrying", attempt, err)
-            # Jittered backoff so that racing committers spread out instead of colliding again.
-            time.sleep(delay * (0.5 + random.random()))
-            delay = min(delay * 2, 1.0)
+            except CommitConflictError as err:
+                if attempt == COMMIT_ATTEMPTS:
+                    raise
+                logger.info("manifest commit conflict (attempt %d): %s; retrying", attempt, err)
+        # Jittered backoff so that racing committers spread out instead of colliding again.
+        time.sleep(delay * (0.5 + random.random()))
+        delay = min(delay * 2, 1.0)
     raise AssertionError("unreachable")
 
 
@@ -201,15 +126,6 @@ def _commit_once(
         num_samples=sum(s.num_samples for s in all_shards),
         num_tokens=sum(s.num_tokens for s in all_shards),
     )
-    if location.commit_guard == "unguarded":
-        # No compare-and-swap on this backend: re-check just before the PUT (narrows the window).
-        latest = read_manifest(location)
-        latest_generation = latest.generation if latest is not None else None
-        if latest_generation != (current.generation if existing else None):
-            raise CommitConflictError(
-                f"{location.path(MANIFEST_NAME)}: another writer committed generation "
-                f"{latest_generation} while we prepared {manifest.generation}"
-            )
     location.write_bytes_if(MANIFEST_NAME, manifest.to_json().encode(), version)
     return manifest
 

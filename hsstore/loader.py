@@ -95,7 +95,7 @@ class StreamingLoader:
         given Store. ``layers``: leading indices to read per feature (``{"aux_hidden_states": [0, 2]}``,
         see :func:`hsstore.aux_layers.select_aux_layers`); batches hold only those.
         ``read_threads``, ``prefetch_batches``: reads in flight, batches read ahead (defaults from the
-        ``StoreLocation``: more on object storage)."""
+        store's backend: more on object storage)."""
         self.store: Store = store if isinstance(store, Store) else open_store(store, storage_options=storage_options, cache=cache)
         self.store.cache = cache or self.store.cache
         self.features = [name for name in features if name not in TABLE_FEATURES]
@@ -256,7 +256,7 @@ class StreamingLoader:
         readers = ThreadPoolExecutor(max_workers=self.read_threads, thread_name_prefix="hsstore-read")
         assembler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsstore-assemble")
         # Remote stores: fetch a group's shards' table, zarr.json and index at once (SampleCatalog.open_ahead).
-        opener = None if self.store.location.is_local else ThreadPoolExecutor(OPEN_AHEAD_THREADS, thread_name_prefix="hsstore-open")
+        opener = ThreadPoolExecutor(OPEN_AHEAD_THREADS, thread_name_prefix="hsstore-open") if self.store.location.prefers_threads else None
         pending: deque[Future[list[HostBatch]]] = deque()
         first = True
         try:

@@ -36,9 +36,9 @@ from hsstore.format.layout import (
 from hsstore.info import store_info
 from hsstore.layer_read import read_layers
 from hsstore.lineage import Lineage
-from hsstore.location import StoreLocation
 from hsstore.manifest import FileEntry, ShardRecord, StoreManifest
 from hsstore.read_cache import ReadCache
+from hsstore.storage import StoreLocation
 
 if TYPE_CHECKING:
     import torch
@@ -119,15 +119,16 @@ class Store:
         """A small file's bytes (a sample table, an array's zarr.json): from the read cache when a
         remote store has one (keyed by the manifest's sha256, so a cached copy is the committed
         one), else one GET (ranged to the manifest's size: s3fs sends a HEAD first otherwise)."""
-        if self.location.is_local or entry is None:
+        cache = self.cache if self.location.uses_read_cache else None
+        if entry is None:
             return self.location.read_bytes(path)
-        cache, key = self.cache, None
+        key = None
         if cache is not None:
             key = cache.key(entry.sha256, "file")
             data = cache.get(key)
             if data is not None and hashlib.sha256(data).hexdigest() == entry.sha256:
                 return data
-        data = bytes(self.location.fs.cat_file(self.location.path(path), start=0, end=entry.size)) if entry.size else b""
+        data = self.location.read_bytes(path, size=entry.size)
         if cache is not None and key is not None:
             cache.put(key, data)
         return data

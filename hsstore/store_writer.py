@@ -9,8 +9,8 @@ from typing import Any
 from hsstore.commit import commit_shards, ensure_store
 from hsstore.format.features import FeatureSpec
 from hsstore.lineage import Lineage
-from hsstore.location import as_location
 from hsstore.manifest import ShardRecord
+from hsstore.storage import as_location
 from hsstore.writer import ShardWriter
 
 

@@ -13,7 +13,6 @@ whatever the number of threads.
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -24,8 +23,8 @@ import pyarrow as pa
 from hsstore.commit import read_manifest
 from hsstore.errors import HsstoreError
 from hsstore.format.layout import LOCK_NAME, MANIFEST_NAME, features_root, samples_path
-from hsstore.location import StoreLocation
 from hsstore.manifest import ShardRecord, StoreManifest
+from hsstore.storage import StoreLocation
 
 # Files a store may hold besides shards; never reported as garbage.
 KNOWN_TOP_LEVEL = {MANIFEST_NAME, LOCK_NAME}
@@ -58,7 +57,7 @@ def verify_store(location: StoreLocation, *, checksums: bool = True, threads: in
         return [Problem("manifest", MANIFEST_NAME, f"not found under {location.url}")]
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
-    threads = threads or ((os.cpu_count() or 1) if location.is_local else location.read_threads)
+    threads = threads or location.verify_threads
 
     def check(shard: ShardRecord) -> tuple[list[Problem], list[str]]:
         ids: list[str] = []

@@ -33,14 +33,12 @@ from hsstore.format.features import FeatureSpec
 from hsstore.format.layout import (
     SAMPLE_SCHEMA,
     SCALE_GROUPING,
-    SHARDS_DIR,
     array_dir,
     feature_of_array,
     features_root,
     samples_path,
     shard_folder,
 )
-from hsstore.location import StoreLocation, as_location
 from hsstore.manifest import (
     FileEntry,
     ShardRecord,
@@ -48,6 +46,7 @@ from hsstore.manifest import (
     encode_sample_tokens,
     shard_checksum,
 )
+from hsstore.storage import StoreLocation, as_location
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +77,9 @@ class ShardWriter:
         self.shard_id = check_shard_id(shard_id)
         self.features = {spec.name: spec for spec in features}
         self.folder = shard_folder(shard_id, uuid.uuid4().hex[:12])
-        # Locally, write under a dot-name and rename the finished folder into place.
-        self._work = (
-            f"{SHARDS_DIR}/.tmp-{self.folder.split('/')[-1]}" if self.location.is_local else self.folder
-        )
+        # Where the backend wants the shard written until it is finished (locally: a dot-name that
+        # finish() renames into place; on object stores: the folder itself).
+        self._work = self.location.staging_folder(self.folder)
         self.location.makedirs(self._work)
         self._group = zarr.open_group(
             self.location.zarr_store(features_root(self._work), read_only=False), mode="w"
@@ -249,8 +247,7 @@ class ShardWriter:
                 self._written.extend(written)
                 self._write_array_metadata(array_name, stream.num_tokens, layout)
             self._write_samples_table()
-            if self.location.is_local:
-                self.location.rename_dir(self._work, self.folder)
+            self.location.publish_folder(self._work, self.folder)
             return self._describe()
         except OSError as err:
             self.abort()
@@ -300,9 +297,7 @@ class ShardWriter:
         with pa.ipc.new_file(sink, table.schema) as ipc:
             ipc.write_table(table)
         data = sink.getvalue().to_pybytes()
-        path = self.location.path(samples_path(self._work))
-        with self.location.fs.open(path, "wb") as handle:
-            handle.write(data)
+        self.location.write_bytes(samples_path(self._work), data)
 
     def _write_array_metadata(self, array_name: str, num_tokens: int, layout: ChunkLayout) -> None:
         """``zarr.json`` of one array, by zarr itself, declaring exactly the layout the stream wrote."""

@@ -44,7 +44,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from hsstore.location import StoreLocation
+    from hsstore.storage import StoreLocation
     from hsstore.verify import verify_store
 
     problems = verify_store(StoreLocation(args.store), checksums=not args.no_checksums, threads=args.threads)
@@ -60,7 +60,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _gc(args: argparse.Namespace) -> int:
     from hsstore.gc import collect_garbage
-    from hsstore.location import StoreLocation
+    from hsstore.storage import StoreLocation
 
     removed = collect_garbage(StoreLocation(args.store), min_age_s=args.min_age, dry_run=args.dry_run)
     for folder in removed:

@@ -16,7 +16,6 @@ filesystem raised them; anything else is a bug and propagates as it is.
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
@@ -25,8 +24,8 @@ import numpy as np
 from hsstore.checksum import crc32c_bytes
 from hsstore.errors import ShardCorruptError
 from hsstore.format.chunk_layout import CRC_BYTES, MISSING, ChunkLayout
-from hsstore.location import StoreLocation
 from hsstore.read_cache import ReadCache, scatter
+from hsstore.storage.base import StoreLocation
 
 # preadv takes at most IOV_MAX (1024 on Linux) buffers; a chunk needs up to four.
 MAX_CHUNKS_PER_PREADV = 250
@@ -60,14 +59,15 @@ class ArrayReader:
         files: dict[str, tuple[int, str]] | None = None,
         cache: ReadCache | None = None,
     ):
-        """``files``: (size, sha256) by store-relative path, from the manifest: a remote read then
-        needs no HEAD for a file's size, and ``cache`` (remote stores only) keys ranges by content."""
+        """``files``: (size, sha256) by store-relative path, from the manifest: an object store's
+        read then needs no HEAD for a file's size, and ``cache`` (used where the backend's
+        ``uses_read_cache`` says it pays) keys ranges by content."""
         self.location = location
         self.array_dir = array_dir
         self.layout = layout
         self.num_tokens = num_tokens
         self.files = files or {}
-        self.cache = cache if not location.is_local else None
+        self.cache = cache if location.uses_read_cache else None
         self._indexes: dict[int, np.ndarray] = {}
         self._opening: dict[int, threading.Lock] = {}
         self._lock = threading.Lock()
@@ -80,8 +80,7 @@ class ArrayReader:
         return self.location.path(self._relative(zarr_shard))
 
     def _fetch(self, zarr_shard: int, offset: int, nbytes: int, into: list[Any] | None = None) -> bytes | memoryview | None:
-        """One ranged GET of a remote file (through the cache when there is one). None: a cache
-        hit was read straight into ``into``."""
+        """One ranged read through the cache. None: a cache hit was read straight into ``into``."""
         entry = self.files.get(self._relative(zarr_shard))
         key = None
         if self.cache is not None and entry is not None:
@@ -93,7 +92,7 @@ class ArrayReader:
                 cached = self.cache.get(key)
                 if cached is not None and len(cached) == nbytes:
                     return cached
-        data = self.location.read_range(self._path(zarr_shard), offset, offset + nbytes)
+        data = self.location.read_range(self._relative(zarr_shard), offset, offset + nbytes)
         if key is not None and self.cache is not None and len(data) == nbytes:
             self.cache.put(key, data)
         return data
@@ -103,18 +102,13 @@ class ArrayReader:
 
     def _read_bytes(self, shard: int, offset: int, nbytes: int, into: list[Any] | None = None) -> bytes | memoryview | None:
         """``nbytes`` at ``offset`` of a shard file: returned, or scattered over ``into``."""
-        path = self._path(shard)
         data: bytes | memoryview | None
-        if self.location.is_local:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                if into is None:
-                    data = os.pread(fd, nbytes, offset)
-                    got = len(data)
-                else:
-                    data, got = None, os.preadv(fd, into, offset)
-            finally:
-                os.close(fd)
+        if self.cache is None:  # straight from the backend (locally: one preadv into the buffers)
+            if into is None:
+                data = self.location.read_range(self._relative(shard), offset, offset + nbytes)
+                got = len(data)
+            else:
+                data, got = None, self.location.read_range_into(self._relative(shard), offset, into)
         else:
             data = self._fetch(shard, offset, nbytes, into)
             got = nbytes if data is None else len(data)
@@ -139,15 +133,11 @@ class ArrayReader:
     def _read_index(self, shard: int) -> np.ndarray:
         count = self.layout.chunks_per_shard
         nbytes = self.layout.index_bytes
-        if self.location.is_local:
-            try:
-                size = os.stat(self._path(shard)).st_size
-            except FileNotFoundError:
-                raise self._corrupt(shard, "missing") from None
-        elif self._relative(shard) in self.files:
-            size = self.files[self._relative(shard)][0]  # the manifest's: saves a HEAD per file
-        else:
-            size = int(self.location.fs.size(self._path(shard)))
+        recorded = self.files.get(self._relative(shard))  # the manifest's: saves a HEAD per file
+        try:
+            size = self.location.file_size(self._relative(shard), recorded[0] if recorded else None)
+        except FileNotFoundError:
+            raise self._corrupt(shard, "missing") from None
         if size < nbytes:
             raise self._corrupt(shard, f"{size} bytes, too short for an index of {count} chunks")
         data = self._read_bytes(shard, size - nbytes, nbytes)

@@ -23,7 +23,7 @@ import numpy as np
 
 from hsstore.checksum import crc32c_bytes
 from hsstore.format.chunk_layout import CRC_BYTES, MISSING, ChunkLayout
-from hsstore.location import StoreLocation
+from hsstore.storage.base import StoreLocation
 
 
 @dataclass(frozen=True)
@@ -194,7 +194,7 @@ class ArrayWriter:
     def _open_file(self, zarr_shard: int) -> None:
         relative = f"{self.array_dir}/{self._layout.shard_key(zarr_shard)}"
         self.location.makedirs(relative.rsplit("/", 1)[0])
-        self._file = self.location.fs.open(self.location.path(relative), "wb")
+        self._file = self.location.open_write(relative)
         self._file_path = relative
         self._file_shard = zarr_shard
         self._file_offset = 0

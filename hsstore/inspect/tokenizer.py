@@ -26,8 +26,9 @@ def find_tokenizer_dir(store: Store) -> Path | None:
     candidates = [name]
     if not name.is_absolute():
         candidates.append(Path.cwd() / name)
-        if store.location.is_local:
-            candidates += [parent / name for parent in Path(store.location.root).resolve().parents]
+        directory = store.location.local_directory
+        if directory is not None:
+            candidates += [parent / name for parent in Path(directory).resolve().parents]
     for candidate in candidates:
         if (candidate / "tokenizer_config.json").is_file() or (candidate / "tokenizer.json").is_file():
             return candidate.resolve()

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hsstore import commit_shards, committed_shard_ids, ensure_store
-from hsstore.location import StoreLocation
+from hsstore.storage import StoreLocation
 from pipelines.extract.errors import ExtractionError
 from pipelines.extract.plan import (
     REJECTS_PATH,
@@ -379,14 +379,13 @@ def remove_dead_temp_files(location: StoreLocation) -> list[str]:
     for folder in ("", "rejects", UNIT_REJECTS_DIR):
         if folder and not location.exists(folder):
             continue
-        for entry in location.fs.ls(location.path(folder), detail=False):
-            name = str(entry).rstrip("/").rsplit("/", 1)[-1]
+        for name in location.list_dir(folder):
             is_temp = name.endswith(".tmp") and name.startswith(
                 f".{MANIFEST_NAME}." if not folder else "."
             )
             if is_temp:
                 relative = f"{folder}/{name}" if folder else name
-                location.fs.rm(location.path(relative))
+                location.delete(relative)
                 removed.append(relative)
     return removed
 
@@ -476,7 +475,7 @@ class UnitRejects:
         elif unit.shard_id in self._on_disk:
             # Left by an attempt that crashed before its commit and rejected something this one
             # did not: it must not speak for the committed unit on a later resume.
-            self.location.fs.rm(self.location.path(path))
+            self.location.delete(path)
             self._on_disk.discard(unit.shard_id)
         if result.rejected:
             self.by_unit[unit.index] = result.rejected

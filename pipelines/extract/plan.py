@@ -21,7 +21,7 @@ import hsstore
 from hsstore import FeatureSpec, Lineage
 from hsstore.aux_layers import default_aux_layer_ids
 from hsstore.errors import LineageMismatchError
-from hsstore.location import StoreLocation
+from hsstore.storage import StoreLocation
 from pipelines.extract.capture import (
     AUX_FEATURE,
     FINAL_FEATURE,

@@ -33,7 +33,7 @@ from typing import Any
 
 import fsspec
 
-from hsstore.location import StoreLocation
+from hsstore.storage import StoreLocation
 from pipelines.extract.errors import ExtractionError, RecordSourceError
 from pipelines.extract.plan import cut_units, sort_window
 from pipelines.extract.recipe import ExtractRecipe

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from hsstore.location import StoreLocation
+from hsstore.storage import StoreLocation
 from pipelines.extract.plan import CODE_VERSION, resolve_target
 from pipelines.extract.planner import data_fingerprint
 from pipelines.extract.records import iter_records

@@ -20,8 +20,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from hsstore.errors import HsstoreError
-from hsstore.location import StoreLocation
 from hsstore.manifest import now_iso, parse_versioned_json
+from hsstore.storage import StoreLocation
 
 MANIFEST_NAME = "generation.json"
 FORMAT_VERSION = 1

@@ -13,7 +13,7 @@ import io
 import json
 from typing import Any
 
-from hsstore.location import StoreLocation
+from hsstore.storage import StoreLocation
 from pipelines.generate.manifest import GeneratedShard
 
 SHARDS_DIR = "shards"
@@ -65,7 +65,7 @@ def write_unit(
         lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rejections)
         location.write_bytes_atomic(rejects_path(unit_index), lines.encode("utf-8"))
     elif location.exists(rejects_path(unit_index)):
-        location.fs.rm(location.path(rejects_path(unit_index)))  # an earlier attempt's
+        location.delete(rejects_path(unit_index))  # an earlier attempt's
     return GeneratedShard(
         unit_index=unit_index,
         path=path,

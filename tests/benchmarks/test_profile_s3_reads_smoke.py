@@ -16,10 +16,11 @@ s3fs = pytest.importorskip("s3fs")
 
 def test_tiny_run_times_every_phase_and_restores_the_reader(tmp_path: Path) -> None:
     import hsstore.format.array_reader as array_reader
+    import hsstore.storage.base as storage_base
     from benchmarks import profile_s3_reads
-    from hsstore.location import StoreLocation
+    from hsstore.storage import S3Backend
 
-    plain = (array_reader.scatter, array_reader.crc32c_bytes, StoreLocation.read_range)
+    plain = (storage_base.scatter, array_reader.crc32c_bytes, S3Backend.read_range)
     out = tmp_path / "profile.json"
     environ = dict(os.environ)
     try:  # the benchmark exports its endpoint's AWS_* variables, as a script may
@@ -38,4 +39,4 @@ def test_tiny_run_times_every_phase_and_restores_the_reader(tmp_path: Path) -> N
         assert s3["tokens"] == local["tokens"] > 0
         assert set(s3["phases"]["calls"]) == {"get", "copy", "crc32c"}
         assert s3["phases"]["calls"]["copy"] > 0 and s3["phases"]["seconds"]["get"] > 0
-    assert (array_reader.scatter, array_reader.crc32c_bytes, StoreLocation.read_range) == plain
+    assert (storage_base.scatter, array_reader.crc32c_bytes, S3Backend.read_range) == plain

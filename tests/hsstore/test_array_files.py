@@ -22,7 +22,7 @@ from hsstore.format.array_reader import ArrayReader
 from hsstore.format.array_writer import ArrayWriter
 from hsstore.format.chunk_layout import ChunkLayout
 from hsstore.format.chunk_layout import layout_of as layout_of_metadata
-from hsstore.location import StoreLocation
+from hsstore.storage import FsspecBackend, StoreLocation
 
 TAIL = (3, 5)
 
@@ -113,10 +113,10 @@ def test_remote_backends_read_the_same_rows(tmp_path):
     array = zarr.open_array(str(tmp_path / "g" / "x"), mode="r")
     layout = layout_of(array)
     assert layout is not None
-    # file:// goes through fsspec like an object store would (no preadv)
+    # fsspec's generic backend over file:// takes the byte-range path that gs:// and memory:// take (no preadv)
     local = ArrayReader(StoreLocation(str(tmp_path)), "g/x", layout, 40)
-    remote = ArrayReader(StoreLocation(f"file://{tmp_path}"), "g/x", layout, 40)
-    remote.location.is_local = False  # force the byte-range path that s3/gs take
+    remote = ArrayReader(FsspecBackend(f"file://{tmp_path}"), "g/x", layout, 40)
+    assert remote.location.range_reader == "fsspec" and local.location.range_reader == "local"
     np.testing.assert_array_equal(remote.read(5, 33), local.read(5, 33))
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import hsstore
-from hsstore.location import StoreLocation
+from hsstore.storage import StoreLocation
 from hsstore.verify import verify_store
 from pipelines.cli import main as cli_main
 from tests.factories import make_lineage, make_sample, make_specs, write_store

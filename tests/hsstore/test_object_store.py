@@ -112,13 +112,13 @@ def test_s3_batches_equal_local_ones_with_the_endpoint_from_the_environment(
 
 
 def test_more_reads_in_flight_by_default_on_object_storage(stores: tuple[str, str]) -> None:
-    from hsstore.location import (
+    from hsstore.packing import LoaderError
+    from hsstore.storage import (
         LOCAL_PREFETCH_BATCHES,
         LOCAL_READ_THREADS,
         REMOTE_PREFETCH_BATCHES,
         REMOTE_READ_THREADS,
     )
-    from hsstore.packing import LoaderError
 
     local, url = stores
     settings = {k: v for k, v in _settings().items() if k not in ("read_threads", "prefetch_batches")}
@@ -144,16 +144,17 @@ def test_a_short_response_is_damage_named_by_file(stores: tuple[str, str], monke
     body) is a ShardCorruptError naming the file, which skip_corrupt can skip, not a bare error
     from the copy into the batch."""
     from hsstore.errors import ShardCorruptError
-    from hsstore.location import StoreLocation
+    from hsstore.storage import StoreLocation
 
     _, url = stores
-    plain = StoreLocation.read_range
+    backend = type(StoreLocation(url))
+    plain = backend.read_range
 
-    def short(self: StoreLocation, path: str, start: int, end: int) -> Any:
-        data = plain(self, path, start, end)
-        return data[:-1] if "aux_hidden_states" in path and end - start > 4096 else data
+    def short(self: StoreLocation, key: str, start: int, end: int) -> Any:
+        data = plain(self, key, start, end)
+        return data[:-1] if "aux_hidden_states" in key and end - start > 4096 else data
 
-    monkeypatch.setattr(StoreLocation, "read_range", short)
+    monkeypatch.setattr(backend, "read_range", short)
     with pytest.raises(ShardCorruptError, match=r"aux_hidden_states/c/.*expected .*truncated"):
         list(hsstore.StreamingLoader(url, FEATURES, **_settings()).batches(max_epochs=1))
     skipping = hsstore.StreamingLoader(url, FEATURES, **_settings(), skip_corrupt=True)
@@ -320,7 +321,7 @@ def test_read_cache_reads_a_hit_straight_into_buffers_and_checks_it(tmp_path: Pa
         assert cache.get(key) is None
 
 
-# -- The range reader (hsstore.range_reads): obstore by default on s3://, fsspec where it cannot be --
+# -- The range reader (hsstore.storage.s3_reads): obstore by default on s3://, fsspec where it cannot be --
 
 
 @pytest.mark.parametrize("endpoint_from", ["environment", "storage_options"])
@@ -328,7 +329,7 @@ def test_obstore_reader_gives_the_same_batches_as_local(
     stores: tuple[str, str], s3: Any, monkeypatch: pytest.MonkeyPatch, endpoint_from: str
 ) -> None:
     pytest.importorskip("obstore")
-    from hsstore.location import StoreLocation
+    from hsstore.storage import StoreLocation
 
     local, url = stores
     monkeypatch.setenv("HSSTORE_RANGE_READER", "obstore")
@@ -350,7 +351,7 @@ def test_obstore_reader_gives_the_same_batches_as_local(
 
 def test_the_default_reader_is_obstore_on_s3_where_every_option_maps(aws_env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("obstore")
-    from hsstore.location import StoreLocation
+    from hsstore.storage import StoreLocation
 
     monkeypatch.delenv("HSSTORE_RANGE_READER", raising=False)
     assert StoreLocation("s3://some-bucket/store").range_reader == "obstore"
@@ -369,7 +370,7 @@ def test_the_default_reader_is_obstore_on_s3_where_every_option_maps(aws_env: An
 
 
 def test_an_unknown_range_reader_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hsstore.location import StoreLocation
+    from hsstore.storage import StoreLocation
 
     monkeypatch.setenv("HSSTORE_RANGE_READER", "curl")
     with pytest.raises(ValueError, match="HSSTORE_RANGE_READER='curl'"):
@@ -413,7 +414,7 @@ def test_obstore_asks_the_bucket_for_its_region(aws_env: Any, monkeypatch: pytes
     pytest.importorskip("obstore")
     import s3fs
 
-    from hsstore.location import StoreLocation
+    from hsstore.storage import StoreLocation
 
     bucket = f"hsstore-eu-{uuid.uuid4().hex[:8]}"
     s3fs.S3FileSystem().call_s3("create_bucket", Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": "eu-west-1"})
@@ -439,9 +440,8 @@ def test_a_missing_object_through_obstore_is_file_not_found_and_skippable(
     _, url = stores
     location = hsstore.open_store(url).location
     assert location.range_reader == "obstore"
-    missing = location.path("shards/no-such-file")
-    with pytest.raises(FileNotFoundError, match=f"s3://{missing}"):
-        location.read_range(missing, 0, 10)
+    with pytest.raises(FileNotFoundError, match=f"s3://{location.path('shards/no-such-file')}"):
+        location.read_range("shards/no-such-file", 0, 10)
     fs = s3fs.S3FileSystem()
     chunks = sorted(path for path in fs.find(url) if "/final_hidden_state/c/" in path)
     assert chunks
@@ -459,7 +459,7 @@ def test_verify_through_obstore_finds_what_fsspec_finds(stores: tuple[str, str],
     pytest.importorskip("obstore")
     import s3fs
 
-    from hsstore.location import StoreLocation
+    from hsstore.storage import StoreLocation
     from hsstore.verify import verify_store
 
     _, url = stores
@@ -500,7 +500,7 @@ def test_temporary_keys_from_botocore_are_refreshed_for_obstore() -> None:
 
     from botocore.credentials import RefreshableCredentials
 
-    from hsstore.range_reads import CREDENTIALS_TTL, _BotocoreCredentials
+    from hsstore.storage.s3_reads import CREDENTIALS_TTL, _BotocoreCredentials
 
     issued: list[str] = []
 

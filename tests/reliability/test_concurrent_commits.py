@@ -22,7 +22,7 @@ import pytest
 
 import hsstore
 from hsstore import CommitConflictError, StoreLocation
-from hsstore.commit import MANIFEST_NAME, _commit_lock
+from hsstore.commit import MANIFEST_NAME
 from hsstore.verify import verify_store
 from tests.factories import make_lineage, make_sample, make_specs
 
@@ -117,13 +117,12 @@ def test_racing_committer_processes_on_a_local_store_lose_nothing(tmp_path):
 def test_a_stale_conditional_put_is_refused_by_the_s3_server(s3_store):
     url, options = s3_store
     location = StoreLocation(url, options)
-    assert location.commit_guard == "conditional"
     write_and_commit(url, [0], options)
     data, etag = location.read_bytes_versioned(MANIFEST_NAME)
     write_and_commit(url, [1], options)  # another committer moves the manifest on
-    with pytest.raises(CommitConflictError, match="changed since it was read"):
+    with pytest.raises(CommitConflictError, match=r"changed since it was read \(conditional PUT refused\)"):
         location.write_bytes_if(MANIFEST_NAME, data, etag)
-    with pytest.raises(CommitConflictError, match="changed since it was read"):
+    with pytest.raises(CommitConflictError, match=r"changed since it was read \(conditional PUT refused\)"):
         location.write_bytes_if(MANIFEST_NAME, data, None)  # create-only, but it exists
     assert_store_holds(url, {0, 1}, options)
 
@@ -133,8 +132,7 @@ HOLDER = textwrap.dedent(
     import sys, time
     sys.path.insert(0, {repo!r})
     from hsstore import StoreLocation
-    from hsstore.commit import _commit_lock
-    with _commit_lock(StoreLocation(sys.argv[1])):
+    with StoreLocation(sys.argv[1]).commit_lock():
         print("locked", flush=True)
         time.sleep(600)
     """
@@ -152,7 +150,7 @@ def test_a_committer_killed_holding_the_lock_blocks_nobody(tmp_path):
         # Alive, it holds the store: a short wait times out with a message naming the lock file.
         with (
             pytest.raises(CommitConflictError, match=r"manifest\.lock: another process has been committing"),
-            _commit_lock(StoreLocation(url), timeout_s=0.3),
+            StoreLocation(url).commit_lock(timeout_s=0.3),
         ):
             pass
         holder.send_signal(signal.SIGKILL)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import hsstore
-from hsstore.location import StoreLocation
+from hsstore.storage import StoreLocation
 from hsstore.verify import verify_store
 from tests.reliability.conftest import (
     REFERENCE_TARGET,

@@ -63,7 +63,7 @@ def plain_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor) -> tupl
 
 
 def fatal_problems(store_url: str | Path) -> list[str]:
-    from hsstore.location import StoreLocation
+    from hsstore.storage import StoreLocation
     from hsstore.verify import verify_store
 
     return [str(p) for p in verify_store(StoreLocation(str(store_url))) if p.fatal]

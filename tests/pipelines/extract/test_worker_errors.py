@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import hsstore
-from hsstore.location import StoreLocation
+from hsstore.storage import StoreLocation
 from pipelines.extract import run_extraction
 from pipelines.extract.errors import ExtractionError
 from pipelines.extract.sink import SampleRow

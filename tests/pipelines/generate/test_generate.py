@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import hsstore
-from hsstore.location import StoreLocation
+from hsstore.storage import StoreLocation
 from pipelines.extract import run_extraction
 from pipelines.extract.recipe import ExtractRecipe
 from pipelines.generate.driver import run_generation

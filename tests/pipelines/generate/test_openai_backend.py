@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from hsstore.location import StoreLocation
+from hsstore.storage import StoreLocation
 from pipelines.generate.driver import run_generation
 from pipelines.generate.manifest import GenerationError, read_manifest
 from pipelines.generate.recipe import GenerateRecipe

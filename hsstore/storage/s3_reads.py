@@ -6,7 +6,7 @@ GPU machine's 16 cores, 0.09x of a local page-cached read against moto, where ob
 ``object_store`` crate, the HTTP work outside the GIL, one buffer handed back) reads 0.31x with the
 same loader settings, in the same run (benchmarks/RESULTS.md, issue 16).
 
-Which reader (``HSSTORE_RANGE_READER``, read when a :class:`~hsstore.location.StoreLocation` is
+Which reader (``HSSTORE_RANGE_READER``, read when a :class:`~hsstore.storage.StoreLocation` is
 built, so Ray workers and DataLoader processes take it from their own environment):
 
 - ``auto`` (unset): obstore for ``s3://`` stores when it is installed (``hsstore[s3]``) and every
@@ -44,7 +44,6 @@ logger = logging.getLogger(__name__)
 
 ENV_VAR = "HSSTORE_RANGE_READER"
 READERS = ("auto", "fsspec", "obstore")
-S3_PROTOCOLS = frozenset({"s3", "s3a"})
 # s3fs storage options this module maps onto obstore's S3 config; anything else is refused.
 _S3_OPTIONS = {"key", "secret", "token", "endpoint_url", "client_kwargs", "anon", "profile"}
 _CLIENT_KWARGS = {"endpoint_url", "region_name"}
@@ -61,12 +60,11 @@ def configured_reader() -> str:
     return reader
 
 
-def remote_range_reader(url: str, storage_options: dict[str, Any], protocols: set[str], fs: Any) -> ObstoreRangeReader | None:
+def remote_range_reader(url: str, storage_options: dict[str, Any], *, on_s3: bool, fs: Any) -> ObstoreRangeReader | None:
     """The reader for a store at ``url`` (not a local one): obstore's, or None for fsspec's."""
     reader = configured_reader()
     if reader == "fsspec":
         return None
-    on_s3 = bool(protocols & S3_PROTOCOLS)
     if reader == "obstore":
         if not on_s3:
             raise ValueError(f"{url}: {ENV_VAR}=obstore reads s3:// stores only")
