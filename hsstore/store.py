@@ -38,7 +38,7 @@ from hsstore.layer_read import read_layers
 from hsstore.lineage import Lineage
 from hsstore.manifest import FileEntry, ShardRecord, StoreManifest
 from hsstore.read_cache import ReadCache
-from hsstore.storage import StoreLocation
+from hsstore.storage import StoreLocation, as_location
 
 if TYPE_CHECKING:
     import torch
@@ -392,17 +392,18 @@ class _ZarrRows:
 
 
 def open_store(
-    url: str | os.PathLike[str],
+    url: str | os.PathLike[str] | StoreLocation,
     *,
     storage_options: dict[str, Any] | None = None,
     cache: ReadCache | None = None,
 ) -> Store:
-    """Open the committed store at ``url`` (any fsspec URL). Raises StoreNotFoundError/ManifestError.
+    """Open the committed store at ``url`` (any fsspec URL, or a :class:`~hsstore.storage.StoreLocation`).
+    Raises StoreNotFoundError/ManifestError.
 
     ``storage_options`` go to fsspec (e.g. ``{"client_kwargs": {"endpoint_url": ...}}`` for s3fs;
     by default s3fs reads ``AWS_ENDPOINT_URL`` and the keys from the environment). ``cache`` keeps
     the bytes read from a remote store on local disk (:class:`hsstore.read_cache.ReadCache`)."""
-    location = StoreLocation(url, storage_options)
+    location = as_location(url, storage_options)
     return Store(location, require_manifest(location), cache)
 
 

@@ -10,7 +10,7 @@ from hsstore.commit import commit_shards, ensure_store
 from hsstore.format.features import FeatureSpec
 from hsstore.lineage import Lineage
 from hsstore.manifest import ShardRecord
-from hsstore.storage import as_location
+from hsstore.storage import StoreLocation, as_location
 from hsstore.writer import ShardWriter
 
 
@@ -22,7 +22,7 @@ class StoreWriter:
 
     def __init__(
         self,
-        url: str | os.PathLike[str],
+        url: str | os.PathLike[str] | StoreLocation,
         features: Sequence[FeatureSpec],
         lineage: Lineage,
         *,

@@ -1,8 +1,9 @@
-"""Shared fixtures: the in-repo reference target, the data, one reference store and one Ray session
-for the whole test session. Paths and store builders live in tests/factories.py."""
+"""Shared fixtures: the in-repo reference target, the data, one reference store, one Ray session and
+one S3 endpoint on loopback (moto) for the whole test session. Paths and store builders live in tests/factories.py."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 # As the CLI does (pipelines/cli.py, OPENMP_DEFAULTS): torch's OpenMP threads must not spin while the
@@ -10,6 +11,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import shutil
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -92,3 +94,37 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+# -- S3: moto's server mode on 127.0.0.1, reached through s3fs as any S3-compatible store -------
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """An S3-compatible endpoint on loopback (moto's ThreadedMotoServer, as s3fs's own tests use)."""
+    pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    # Dummy credentials for the local endpoint only; never a real account.
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "hsstore-test",
+        "AWS_SECRET_ACCESS_KEY": "hsstore-test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        os.environ.setdefault(key, value)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_store(s3_endpoint: str) -> tuple[str, dict[str, Any]]:
+    """A fresh ``s3://`` store URL in its own bucket, and the storage options that reach it."""
+    import s3fs
+
+    options: dict[str, Any] = {"client_kwargs": {"endpoint_url": s3_endpoint}}
+    bucket = f"hsstore-{uuid.uuid4().hex[:12]}"
+    s3fs.S3FileSystem(**options).mkdir(bucket)
+    return f"s3://{bucket}/store", options

@@ -197,7 +197,8 @@ class StoreLocation:
         raise NotImplementedError
 
     def open_write(self, key: str) -> BinaryIO:
-        """A binary file to stream a new file into (published by the manifest, not by closing)."""
+        """A binary file to stream a new file into, its folders made as needed (published by the
+        manifest, not by closing)."""
         raise NotImplementedError
 
     def write_bytes(self, key: str, data: bytes) -> None:

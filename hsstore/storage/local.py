@@ -17,7 +17,7 @@ import os
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, BinaryIO
 
 from hsstore.errors import CommitConflictError, StoreWriteError
 from hsstore.format.layout import LOCK_NAME, SHARDS_DIR
@@ -69,7 +69,11 @@ class LocalBackend(FsspecBackend):
 
         return LocalStore(self.path(prefix), read_only=read_only)
 
-    # -- publishing: temp + rename ------------------------------------------------------------
+    # -- writing and publishing: temp + rename ------------------------------------------------
+
+    def open_write(self, key: str) -> BinaryIO:
+        os.makedirs(os.path.dirname(self.path(key)), exist_ok=True)  # as object stores need no folders
+        return super().open_write(key)
 
     def write_bytes_atomic(self, key: str, data: bytes) -> None:
         target = self.path(key)

@@ -1,5 +1,5 @@
-"""Fixtures of the reliability suite: an S3-compatible endpoint (moto's server on loopback), a Ray
-session, and tiny extraction inputs on the in-repo reference target.
+"""Fixtures of the reliability suite: a ``memory://`` store and tiny extraction inputs on the in-repo
+reference target (the S3 endpoint on loopback, ``s3_endpoint`` / ``s3_store``, is tests/conftest.py's).
 
 Every test here is marked ``reliability`` (``pytest -m reliability`` runs the suite alone); the
 hook below refuses a test module that forgets the mark, so the selection cannot silently shrink.
@@ -8,8 +8,6 @@ hook below refuses a test module that forgets the mark, so the selection cannot 
 from __future__ import annotations
 
 import json
-import logging
-import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,40 +23,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if Path(str(item.fspath)).parent == here and "reliability" not in item.keywords:
             raise pytest.UsageError(f"{item.nodeid}: tests/reliability tests must be marked reliability")
-
-
-# -- S3: moto's server mode on 127.0.0.1, reached through s3fs as any S3-compatible store -------
-
-
-@pytest.fixture(scope="session")
-def s3_endpoint() -> Iterator[str]:
-    """An S3-compatible endpoint on loopback (moto's ThreadedMotoServer, as s3fs's own tests use)."""
-    pytest.importorskip("s3fs")
-    moto_server = pytest.importorskip("moto.server")
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    # Dummy credentials for the local endpoint only; never a real account.
-    for key, value in {
-        "AWS_ACCESS_KEY_ID": "hsstore-test",
-        "AWS_SECRET_ACCESS_KEY": "hsstore-test",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        os.environ.setdefault(key, value)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
-@pytest.fixture
-def s3_store(s3_endpoint: str) -> tuple[str, dict[str, Any]]:
-    """A fresh ``s3://`` store URL in its own bucket, and the storage options that reach it."""
-    import s3fs
-
-    options: dict[str, Any] = {"client_kwargs": {"endpoint_url": s3_endpoint}}
-    bucket = f"hsstore-{uuid.uuid4().hex[:12]}"
-    s3fs.S3FileSystem(**options).mkdir(bucket)
-    return f"s3://{bucket}/store", options
 
 
 @pytest.fixture
