@@ -30,9 +30,9 @@ from hsstore.format.layout import (
     TABLE_FEATURES,
     ZARR_METADATA_FILE,
     array_dir,
-    features_root,
     samples_path,
 )
+from hsstore.format.zarr_rows import ZarrRows
 from hsstore.info import store_info
 from hsstore.layer_read import read_layers
 from hsstore.lineage import Lineage
@@ -226,7 +226,7 @@ class Store:
             files = {f.path: (f.size, f.sha256) for f in shard.files if f.path.startswith(folder + "/")}
             reader: Any = ArrayReader(self.location, folder, layout, shard.num_tokens, files=files, cache=self.cache)
         else:
-            reader = _ZarrRows.open(self.location, shard, array_name)
+            reader = ZarrRows.open(self.location, shard, array_name)
             num_rows = reader.array.shape[0]
         if num_rows != shard.num_tokens:
             raise ShardCorruptError(f"{where}: {num_rows} tokens, manifest says {shard.num_tokens}")
@@ -359,36 +359,6 @@ class Store:
     def info(self) -> dict[str, Any]:
         """What :func:`hsstore.info.store_info` says about this store."""
         return store_info(self.manifest, self.url)
-
-
-class _ZarrRows:
-    """Rows of a zarr array in a layout :mod:`hsstore.format.array_reader` does not handle (written by
-    another tool): read through zarr-python, then copied into ``out``."""
-
-    def __init__(self, array: Any, where: str):
-        self.array = array
-        self.where = where
-
-    @classmethod
-    def open(cls, location: StoreLocation, shard: ShardRecord, array_name: str) -> _ZarrRows:
-        import zarr
-
-        where = location.path(array_dir(shard.path, array_name))
-        try:
-            zstore = location.zarr_store(features_root(shard.path), read_only=True)
-            return cls(zarr.open_array(zstore, path=array_name, mode="r", zarr_format=3), where)  # v3 only: no v2 probing
-        except (ValueError, KeyError) as err:  # zarr's metadata errors are ValueErrors
-            raise ShardCorruptError(f"shard {shard.shard_id}: {where}: cannot open: {err}") from err
-
-    def read(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
-        try:
-            rows = self.array[start:stop]
-        except (ValueError, RuntimeError) as err:  # a chunk that fails its codecs (checksum, frame)
-            raise ShardCorruptError(f"{self.where}: tokens [{start}, {stop}) do not decode: {err}") from err
-        if out is None:
-            return rows
-        out[...] = rows
-        return out
 
 
 def open_store(
