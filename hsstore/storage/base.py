@@ -50,7 +50,7 @@ REMOTE_PREFETCH_BATCHES = 8
 
 # Which backend serves which URL scheme ("module:Class", imported on first use so that a local store
 # never imports s3fs). None stands for a plain path. register_backend adds more.
-_BACKENDS: dict[str | None, str] = {
+_BACKENDS: dict[str | None, str | type[StoreLocation]] = {
     None: "hsstore.storage.local:LocalBackend",
     "file": "hsstore.storage.local:LocalBackend",
     "local": "hsstore.storage.local:LocalBackend",
@@ -63,15 +63,17 @@ _DEFAULT_BACKEND = "hsstore.storage.fsspec_backend:FsspecBackend"
 
 def register_backend(scheme: str, backend: type[StoreLocation] | str) -> None:
     """Serve URLs of ``scheme`` with ``backend`` (a class, or ``"module:Class"`` imported on use)."""
-    _BACKENDS[scheme] = backend if isinstance(backend, str) else f"{backend.__module__}:{backend.__qualname__}"
+    _BACKENDS[scheme] = backend
 
 
 def backend_class(url: str) -> type[StoreLocation]:
     """The backend class registered for ``url``'s scheme (fsspec's generic one for the others)."""
     if "::" in url:  # a chained URL (simplecache::s3://...): fsspec's generic backend
-        spec = _DEFAULT_BACKEND
+        spec: str | type[StoreLocation] = _DEFAULT_BACKEND
     else:
         spec = _BACKENDS.get(url.split("://", 1)[0] if "://" in url else None, _DEFAULT_BACKEND)
+    if not isinstance(spec, str):
+        return spec
     module, _, name = spec.partition(":")
     cls = getattr(importlib.import_module(module), name)
     assert issubclass(cls, StoreLocation), cls

@@ -1,4 +1,5 @@
-"""The store contract (hsstore.testing.StoreTests), run against every backend: local paths, file://,\nfsspec's generic backend, memory:// and S3 on loopback (moto)."""
+"""The store contract (hsstore.testing.StoreTests), run against every backend: local paths, file://,
+memory:// and S3 on loopback (moto's server); which backend a URL gets; reads through torch."""
 
 from __future__ import annotations
 
@@ -17,7 +18,14 @@ import pytest
 import torch
 
 import hsstore
-from hsstore.storage import FsspecBackend, LocalBackend, MemoryBackend, S3Backend, StoreLocation
+from hsstore.storage import (
+    FsspecBackend,
+    LocalBackend,
+    MemoryBackend,
+    S3Backend,
+    StoreLocation,
+    register_backend,
+)
 from hsstore.testing import StoreTests
 from tests.factories import write_store
 
@@ -63,6 +71,17 @@ def test_the_url_scheme_picks_the_backend(tmp_path: Path) -> None:
     assert type(StoreLocation("s3://bucket/store", {"anon": True})) is S3Backend
     assert type(StoreLocation(f"simplecache::file://{tmp_path}")) is FsspecBackend
     assert hsstore.StoreLocation is StoreLocation
+
+
+def test_a_registered_backend_serves_its_scheme(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hsstore.storage.base as storage_base
+
+    class Custom(MemoryBackend):
+        prefers_threads = False
+
+    monkeypatch.setattr(storage_base, "_BACKENDS", dict(storage_base._BACKENDS))
+    register_backend("memory", Custom)
+    assert type(StoreLocation("memory://x")) is Custom and not StoreLocation("memory://x").prefers_threads
 
 
 @pytest.mark.parametrize("codec,compression", [("bf16", "none"), ("bf16", "zstd"), ("fp8_e4m3", "blosc"), ("fp8_e4m3", "zstd")])
