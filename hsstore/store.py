@@ -226,7 +226,7 @@ class Store:
             files = {f.path: (f.size, f.sha256) for f in shard.files if f.path.startswith(folder + "/")}
             reader: Any = ArrayReader(self.location, folder, layout, shard.num_tokens, files=files, cache=self.cache)
         else:
-            reader = ZarrRows.open(self.location, shard, array_name)
+            reader = ZarrRows.open(self.location, shard.shard_id, shard.path, array_name)
             num_rows = reader.array.shape[0]
         if num_rows != shard.num_tokens:
             raise ShardCorruptError(f"{where}: {num_rows} tokens, manifest says {shard.num_tokens}")

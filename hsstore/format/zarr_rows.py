@@ -9,7 +9,6 @@ import numpy as np
 
 from hsstore.errors import ShardCorruptError
 from hsstore.format.layout import array_dir, features_root
-from hsstore.manifest import ShardRecord
 from hsstore.storage.base import StoreLocation
 
 
@@ -22,15 +21,16 @@ class ZarrRows:
         self.where = where
 
     @classmethod
-    def open(cls, location: StoreLocation, shard: ShardRecord, array_name: str) -> ZarrRows:
+    def open(cls, location: StoreLocation, shard_id: str, shard_path: str, array_name: str) -> ZarrRows:
+        """Array ``array_name`` of store shard ``shard_id`` (its folder ``shard_path``)."""
         import zarr
 
-        where = location.path(array_dir(shard.path, array_name))
+        where = location.path(array_dir(shard_path, array_name))
         try:
-            zstore = location.zarr_store(features_root(shard.path), read_only=True)
+            zstore = location.zarr_store(features_root(shard_path), read_only=True)
             return cls(zarr.open_array(zstore, path=array_name, mode="r", zarr_format=3), where)  # v3 only: no v2 probing
         except (ValueError, KeyError) as err:  # zarr's metadata errors are ValueErrors
-            raise ShardCorruptError(f"shard {shard.shard_id}: {where}: cannot open: {err}") from err
+            raise ShardCorruptError(f"shard {shard_id}: {where}: cannot open: {err}") from err
 
     def read(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
         try:
