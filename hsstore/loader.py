@@ -255,7 +255,7 @@ class StreamingLoader:
         group_size = max(1, self.prefetch_batches // 2)
         readers = ThreadPoolExecutor(max_workers=self.read_threads, thread_name_prefix="hsstore-read")
         assembler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsstore-assemble")
-        # Remote stores: fetch a group's shards' table, zarr.json and index at once (SampleCatalog.open_ahead).
+        # Where requests wait on a network: fetch a group's shards' table, zarr.json and index at once (SampleCatalog.open_ahead).
         opener = ThreadPoolExecutor(OPEN_AHEAD_THREADS, thread_name_prefix="hsstore-open") if self.store.location.prefers_threads else None
         pending: deque[Future[list[HostBatch]]] = deque()
         first = True
