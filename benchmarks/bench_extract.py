@@ -48,8 +48,10 @@ from hsstore.aux_layers import default_aux_layer_ids  # noqa: E402
 from pipelines.extract.batching import collate, padding_waste, plan_batches  # noqa: E402
 from pipelines.extract.executors import LocalExecutor  # noqa: E402
 from pipelines.extract.plan import plan_units  # noqa: E402
+from pipelines.extract.target import load_target  # noqa: E402
 from pipelines.extract.tokenize import TokenizedSample  # noqa: E402
-from pipelines.extract.worker import ExtractionWorker, WorkerSpec, load_target  # noqa: E402
+from pipelines.extract.worker import ExtractionWorker  # noqa: E402
+from pipelines.extract.worker_spec import WorkerSpec  # noqa: E402
 
 QWEN3_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-8b": dict(

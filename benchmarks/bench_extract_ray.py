@@ -246,7 +246,8 @@ def bare(args: argparse.Namespace) -> None:
     import torch
 
     from pipelines.extract.batching import collate, padding_waste, plan_batches
-    from pipelines.extract.worker import GpuTimeline, load_target
+    from pipelines.extract.gpu_timing import GpuTimeline
+    from pipelines.extract.target import load_target
 
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     model = load_target(str(Path(args.work) / "target"), dtype="bfloat16", device=device)
@@ -312,7 +313,7 @@ def compare(args: argparse.Namespace) -> None:
     import hsstore
     from pipelines.extract.batching import collate, plan_batches
     from pipelines.extract.capture import HiddenStateCapture
-    from pipelines.extract.worker import load_target
+    from pipelines.extract.target import load_target
 
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     stores = Path(args.work) / "stores"

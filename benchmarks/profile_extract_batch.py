@@ -51,8 +51,10 @@ from hsstore.format.codecs import encode_torch  # noqa: E402
 from pipelines.extract.batching import collate, plan_batches  # noqa: E402
 from pipelines.extract.capture import HiddenStateCapture  # noqa: E402
 from pipelines.extract.plan import plan_units  # noqa: E402
-from pipelines.extract.sink import HostBufferPool, SampleRow  # noqa: E402
-from pipelines.extract.worker import ExtractionWorker, WorkerSpec, WorkUnit  # noqa: E402
+from pipelines.extract.sink import HostBufferPool  # noqa: E402
+from pipelines.extract.units import SampleRow, WorkUnit  # noqa: E402
+from pipelines.extract.worker import ExtractionWorker  # noqa: E402
+from pipelines.extract.worker_spec import WorkerSpec  # noqa: E402
 
 
 def main() -> int:

@@ -33,8 +33,9 @@ def one_run(target: str, device: str, warm_write: bool, units: int) -> list[floa
     import numpy as np
 
     import hsstore
-    from pipelines.extract.sink import SampleRow
-    from pipelines.extract.worker import ExtractionWorker, WorkerSpec, WorkUnit
+    from pipelines.extract.units import SampleRow, WorkUnit
+    from pipelines.extract.worker import ExtractionWorker
+    from pipelines.extract.worker_spec import WorkerSpec
 
     features = (
         hsstore.FeatureSpec(name="aux_hidden_states", shape=(3, 64), codec="fp8_e4m3"),

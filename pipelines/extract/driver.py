@@ -47,13 +47,8 @@ from pipelines.extract.tokenizer_pool import load_tokenizer, make_sample_tokeniz
 from pipelines.generate.manifest import expand_generated_data
 
 __all__ = ["load_tokenizer", "make_sample_tokenizer", "run_extraction"]  # the tokenizer: re-exported
-from pipelines.extract.worker import (
-    RejectedSample,
-    UnitResult,
-    WorkerSpec,
-    WorkUnit,
-    unit_shard_id,
-)
+from pipelines.extract.units import RejectedSample, UnitResult, WorkUnit, unit_shard_id
+from pipelines.extract.worker_spec import WorkerSpec
 from pipelines.target_identity import (
     read_config,
     text_config,

@@ -23,7 +23,8 @@ from typing import Any
 from hsstore.errors import HsstoreError
 from pipelines.extract.errors import ExtractionError
 from pipelines.extract.recipe import RaySection
-from pipelines.extract.worker import ExtractionWorker, WorkUnit
+from pipelines.extract.units import WorkUnit
+from pipelines.extract.worker import ExtractionWorker
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,6 @@ import json
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import hsstore
@@ -28,12 +27,11 @@ from pipelines.extract.capture import (
     TOPK_IDS_FEATURE,
     TOPK_LOGITS_FEATURE,
 )
-from pipelines.extract.errors import TargetNotFoundError
 from pipelines.extract.recipe import ExtractRecipe
 from pipelines.extract.records import Rejection, RejectReason, iter_records
-from pipelines.extract.sink import SampleRow
+from pipelines.extract.target import resolve_target  # noqa: F401 (the driver imports it from here)
 from pipelines.extract.tokenize import SampleTokenizer, TokenizedSample
-from pipelines.extract.worker import WorkUnit
+from pipelines.extract.units import SampleRow, WorkUnit
 from pipelines.target_identity import (
     chat_template_sha256,
     identity_model,
@@ -70,25 +68,6 @@ class SamplePlan:
         for sample in self.samples:
             digest.update(sample.sample_id.encode() + b"\n")
         return digest.hexdigest()
-
-
-def resolve_target(target: str, revision: str | None = None) -> str:
-    """A local directory for ``target``: itself when it exists, else a hub snapshot (needs network)."""
-    if Path(target).is_dir():
-        return str(Path(target))
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(
-            target,
-            revision=revision,
-            allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"],
-        )
-    except Exception as err:  # noqa: BLE001 - offline, unknown repo, gated: all say the same to the user
-        raise TargetNotFoundError(
-            f"target {target!r} is not a local directory and could not be fetched from the hub "
-            f"({type(err).__name__}: {err})"
-        ) from err
 
 
 def plan_samples(

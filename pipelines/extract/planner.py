@@ -40,7 +40,7 @@ from pipelines.extract.recipe import ExtractRecipe
 from pipelines.extract.records import Rejection, RejectReason, iter_records
 from pipelines.extract.tokenize import SampleTokenizer, TokenizedSample
 from pipelines.extract.tokenizer_pool import BlockTokenizer
-from pipelines.extract.worker import WorkUnit
+from pipelines.extract.units import WorkUnit
 
 logger = logging.getLogger(__name__)
 

@@ -44,6 +44,7 @@ import torch
 from hsstore import FeatureSpec, ShardRecord, ShardWriter
 from hsstore.errors import StoreWriteError
 from hsstore.format.codecs import encode_torch
+from pipelines.extract.units import SampleRow
 
 logger = logging.getLogger(__name__)
 
@@ -59,16 +60,6 @@ _TORCH_DTYPE = {
     "float32": torch.float32,
     "int32": torch.int32,
 }
-
-
-@dataclass(frozen=True)
-class SampleRow:
-    """What the store's sample table needs of one sample besides its features."""
-
-    sample_id: str
-    source_id: str
-    input_ids: Any  # np.int32 [T]
-    loss_mask: Any  # np.uint8 [T]
 
 
 class HostBufferPool:

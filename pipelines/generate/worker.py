@@ -98,7 +98,7 @@ class GenerationWorker:
         )
 
     def _transformers(self) -> Any:
-        from pipelines.extract.worker import load_target, resolve_device
+        from pipelines.extract.target import load_target, resolve_device
         from pipelines.generate.engine import BatchGenerator, SamplingParams
 
         if self.spec.num_gpus > 1:

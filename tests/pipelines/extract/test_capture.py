@@ -16,7 +16,7 @@ from pipelines.extract.capture import (
     find_decoder_parts,
     resolve_pass_attention_mask,
 )
-from pipelines.extract.worker import load_target
+from pipelines.extract.target import load_target
 
 
 def reference_forward(model: torch.nn.Module, ids: np.ndarray) -> tuple[torch.Tensor, ...]:

@@ -14,7 +14,8 @@ import torch
 import hsstore
 from hsstore import FeatureSpec, Lineage, ShardWriter, commit_shards
 from hsstore.format import codecs
-from pipelines.extract.sink import HostBufferPool, SampleRow, ShardSink
+from pipelines.extract.sink import HostBufferPool, ShardSink
+from pipelines.extract.units import SampleRow
 
 FEATURES = [
     FeatureSpec(name="aux_hidden_states", shape=(3, 64), codec="fp8_e4m3"),
@@ -169,7 +170,8 @@ def test_a_cuda_worker_paces_its_copies_and_stores_what_a_cpu_worker_stores(
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} GPUs")
     from pipelines.extract.executors import LocalExecutor
-    from pipelines.extract.worker import WorkerSpec, WorkUnit
+    from pipelines.extract.units import WorkUnit
+    from pipelines.extract.worker_spec import WorkerSpec
     from tests.pipelines.extract.helpers import relative_error
 
     paced_with_work: list[int] = []  # pace points that found a pending copy

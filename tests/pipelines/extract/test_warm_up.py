@@ -13,7 +13,10 @@ import hsstore
 from pipelines.extract.capture import HiddenStateCapture
 from pipelines.extract.errors import ExtractionError
 from pipelines.extract.sink import ShardSink
-from pipelines.extract.worker import WARM_WRITE_TOKENS, ExtractionWorker, WorkerSpec, load_target
+from pipelines.extract.target import load_target
+from pipelines.extract.warm_up import WARM_WRITE_TOKENS, warm_shape
+from pipelines.extract.worker import ExtractionWorker
+from pipelines.extract.worker_spec import WorkerSpec
 
 FEATURES = (
     hsstore.FeatureSpec(name="aux_hidden_states", shape=(2, 64), codec="fp8_e4m3"),
@@ -47,8 +50,9 @@ def spec_for(target: Path, store: Path, device: str = "cpu", **settings: object)
 def test_the_warm_up_batch_is_the_largest_the_plan_can_make(
     tiny_qwen3: Path, tmp_path: Path, settings: dict, shape: tuple[int, int]
 ) -> None:
-    worker = ExtractionWorker(spec_for(tiny_qwen3, tmp_path / "store", **settings))
-    assert worker.warm_shape() == shape
+    spec = spec_for(tiny_qwen3, tmp_path / "store", **settings)
+    assert warm_shape(spec) == shape
+    worker = ExtractionWorker(spec)
     assert worker.warmup_seconds == 0.0  # on the CPU nothing is loaded lazily: no warm-up at start
 
 
@@ -140,8 +144,7 @@ def test_every_forward_runs_on_the_workers_one_compute_thread(tiny_qwen3: Path, 
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from pipelines.extract.sink import SampleRow
-    from pipelines.extract.worker import WorkUnit
+    from pipelines.extract.units import SampleRow, WorkUnit
 
     spec = spec_for(tiny_qwen3, tmp_path / "store", token_budget=128, max_length=64)
     worker = ExtractionWorker(spec)

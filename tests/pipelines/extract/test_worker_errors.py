@@ -20,8 +20,10 @@ import hsstore
 from hsstore.storage import StoreLocation
 from pipelines.extract import run_extraction
 from pipelines.extract.errors import ExtractionError
-from pipelines.extract.sink import SampleRow
-from pipelines.extract.worker import ExtractionWorker, WorkerSpec, WorkUnit, load_target
+from pipelines.extract.target import load_target
+from pipelines.extract.units import SampleRow, WorkUnit
+from pipelines.extract.worker import ExtractionWorker
+from pipelines.extract.worker_spec import WorkerSpec
 from tests.pipelines.extract.conftest import write_jsonl
 from tests.pipelines.extract.helpers import (
     fatal_problems,

@@ -114,7 +114,7 @@ def test_generate_answers_rejects_and_marks(greedy_run: Any, reference_target: P
     # The second answer was generated after the target's own first answer: regenerate it alone.
     from transformers import AutoTokenizer
 
-    from pipelines.extract.worker import load_target
+    from pipelines.extract.target import load_target
     from pipelines.generate.engine import BatchGenerator, SamplingParams
     from pipelines.generate.prompts import Request
 
@@ -136,7 +136,7 @@ def test_generate_answers_rejects_and_marks(greedy_run: Any, reference_target: P
 def test_greedy_matches_plain_model_generate(reference_target: Path) -> None:
     from transformers import AutoTokenizer
 
-    from pipelines.extract.worker import load_target
+    from pipelines.extract.target import load_target
     from pipelines.generate.engine import BatchGenerator, SamplingParams
     from pipelines.generate.prompts import Request
 

@@ -39,7 +39,7 @@ class TargetServer:
     def __init__(self, target: Path, fail_first: int = 0) -> None:
         from transformers import AutoTokenizer
 
-        from pipelines.extract.worker import load_target
+        from pipelines.extract.target import load_target
         from pipelines.generate.engine import BatchGenerator, SamplingParams
 
         self.tokenizer = AutoTokenizer.from_pretrained(target)

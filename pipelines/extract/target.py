@@ -1,0 +1,104 @@
+"""Finding and loading the target: its local directory (planning needs its config and tokenizer),
+and the model itself, on one device or split over several (the worker).
+
+torch and transformers are imported inside the loaders: the driver resolves the target while it
+plans, and planning (``hsstore extract --dry-run``) loads no model code.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipelines.extract.errors import ExtractionError, TargetNotFoundError
+
+if TYPE_CHECKING:
+    import torch
+
+    from pipelines.extract.placement import SplitPlacement
+    from pipelines.extract.worker_spec import WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_target(target: str, revision: str | None = None) -> str:
+    """A local directory for ``target``: itself when it exists, else a hub snapshot (needs network)."""
+    if Path(target).is_dir():
+        return str(Path(target))
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(
+            target,
+            revision=revision,
+            allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"],
+        )
+    except Exception as err:  # noqa: BLE001 - offline, unknown repo, gated: all say the same to the user
+        raise TargetNotFoundError(
+            f"target {target!r} is not a local directory and could not be fetched from the hub "
+            f"({type(err).__name__}: {err})"
+        ) from err
+
+
+def resolve_device(device: str) -> torch.device:
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_target(
+    target: str,
+    *,
+    dtype: str = "bfloat16",
+    device: str | torch.device = "cpu",
+    attn_implementation: str | None = "sdpa",
+    trust_remote_code: bool = False,
+) -> torch.nn.Module:
+    """The target as an eval-mode ``AutoModelForCausalLM`` on ``device`` (weights loaded there)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device(device)
+    kwargs: dict[str, Any] = {
+        "dtype": getattr(torch, dtype),
+        "trust_remote_code": trust_remote_code,
+    }
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    if device.type == "cuda":
+        kwargs["device_map"] = str(device)  # load straight onto the GPU, no host copy of 16 GB
+    model = AutoModelForCausalLM.from_pretrained(target, **kwargs)
+    if device.type != "cuda":
+        model = model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_split_target(spec: WorkerSpec) -> tuple[torch.nn.Module, SplitPlacement]:
+    """The target loaded on the host, then its layers split over this worker's ``num_gpus`` GPUs
+    (the first ``num_gpus`` visible ones: a Ray actor sees exactly its own)."""
+    import torch
+
+    from pipelines.extract.placement import split_across_devices
+
+    visible = torch.cuda.device_count()
+    if visible < spec.num_gpus:
+        raise ExtractionError(
+            f"the worker should split the target over {spec.num_gpus} GPUs but sees {visible}"
+        )
+    model = load_target(
+        spec.target,
+        dtype=spec.dtype,
+        device="cpu",
+        attn_implementation=spec.attn_implementation,
+        trust_remote_code=spec.trust_remote_code,
+    )
+    placement = split_across_devices(model, [f"cuda:{i}" for i in range(spec.num_gpus)])
+    logger.info(
+        "split the target over %d GPUs: layers on %s", spec.num_gpus, placement.layer_devices
+    )
+    return model, placement
