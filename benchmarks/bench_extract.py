@@ -47,9 +47,10 @@ from hsstore import FeatureSpec, Lineage, commit_shards  # noqa: E402
 from hsstore.aux_layers import default_aux_layer_ids  # noqa: E402
 from pipelines.extract.batching import collate, padding_waste, plan_batches  # noqa: E402
 from pipelines.extract.executors import LocalExecutor  # noqa: E402
-from pipelines.extract.plan import plan_units  # noqa: E402
+from pipelines.extract.recipe import UnitsSection  # noqa: E402
 from pipelines.extract.target import load_target  # noqa: E402
 from pipelines.extract.tokenize import TokenizedSample  # noqa: E402
+from pipelines.extract.units import cut_into_units  # noqa: E402
 from pipelines.extract.worker import ExtractionWorker  # noqa: E402
 from pipelines.extract.worker_spec import WorkerSpec  # noqa: E402
 
@@ -302,7 +303,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> di
     )
     lineage = Lineage(aux_layer_ids=aux_layer_ids, max_length=args.max_length, code_version="bench")
     samples = make_samples(args.tokens, args.min_length, args.max_length, config.vocab_size, seed=0)
-    units = plan_units(samples, args.unit_tokens, 1 << 30, args.sort_window_tokens)
+    units = cut_into_units(samples, UnitsSection(max_tokens=args.unit_tokens, max_samples=1 << 30, sort_window_tokens=args.sort_window_tokens))
     # Warm up on the first unit itself: the same shapes (kernels picked, memory pools grown).
     warmup = units[:1]
     worker = ExtractionWorker(spec, model=model)

@@ -228,17 +228,16 @@ def step(args: argparse.Namespace, name: str, *extra: str) -> dict[str, Any]:
 
 
 def planned_units(args: argparse.Namespace, limit: int | None) -> tuple[list[Any], int]:
-    """The units `hsstore extract` plans for these records (the driver's own functions)."""
-    from pipelines.extract.driver import make_sample_tokenizer
-    from pipelines.extract.plan import plan_units, read_samples
+    """The units `hsstore extract` plans for these records (its own streaming planner)."""
+    from pipelines.extract.planner import StreamPlanner
     from pipelines.extract.recipe import ExtractRecipe
+    from pipelines.extract.tokenizer_pool import make_sample_tokenizer
     from pipelines.recipe import load_recipe
 
     recipe = load_recipe(ExtractRecipe, str(write_recipe(args, "plan", codec="bf16", workers=1, gpus_per_worker=1, limit=limit)), [])
     tokenizer = make_sample_tokenizer(recipe, recipe.target)
     pad = tokenizer.tokenizer.pad_token_id
-    samples = read_samples(recipe, tokenizer).samples
-    units = plan_units(samples, recipe.units.max_tokens, recipe.units.max_samples, recipe.units.sort_window_tokens)
+    units = [unit for window in StreamPlanner(recipe, tokenizer, recipe.target).windows() for unit in window.units]
     return units, int(pad if pad is not None else 0)
 
 

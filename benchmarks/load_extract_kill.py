@@ -118,9 +118,9 @@ def run_load(
     from hsstore.storage import StoreLocation
     from hsstore.verify import verify_store
     from pipelines.extract import run_extraction
-    from pipelines.extract.driver import make_sample_tokenizer
-    from pipelines.extract.plan import read_samples
+    from pipelines.extract.planner import StreamPlanner
     from pipelines.extract.recipe import ExtractRecipe
+    from pipelines.extract.tokenizer_pool import make_sample_tokenizer
     from pipelines.recipe import build_recipe
 
     data = data_source or replicate_records(SHARED_TRAIN, workdir / "records.jsonl", records)
@@ -175,7 +175,7 @@ def run_load(
             ray.shutdown()
     wall = time.perf_counter() - start
     tokenizer = make_sample_tokenizer(recipe, recipe.target)
-    expected = {s.sample_id for s in read_samples(recipe, tokenizer).samples}
+    expected = {sample_id for window in StreamPlanner(recipe, tokenizer, recipe.target).windows() for sample_id, _ in window.samples}
     opened = hsstore.open_store(str(store))
     ids = opened.samples.column("sample_id").to_pylist()
     problems = verify_store(StoreLocation(str(store)))

@@ -50,9 +50,9 @@ from hsstore import FeatureSpec  # noqa: E402
 from hsstore.format.codecs import encode_torch  # noqa: E402
 from pipelines.extract.batching import collate, plan_batches  # noqa: E402
 from pipelines.extract.capture import HiddenStateCapture  # noqa: E402
-from pipelines.extract.plan import plan_units  # noqa: E402
+from pipelines.extract.recipe import UnitsSection  # noqa: E402
 from pipelines.extract.sink import HostBufferPool  # noqa: E402
-from pipelines.extract.units import SampleRow, WorkUnit  # noqa: E402
+from pipelines.extract.units import SampleRow, WorkUnit, cut_into_units  # noqa: E402
 from pipelines.extract.worker import ExtractionWorker  # noqa: E402
 from pipelines.extract.worker_spec import WorkerSpec  # noqa: E402
 
@@ -75,7 +75,7 @@ def main() -> int:
     samples = make_samples(args.tokens + 2 * args.unit_tokens, 1024, 2048, model.config.vocab_size, seed=0)
     units = [
         WorkUnit(u.index, tuple(SampleRow(r.sample_id, r.sample_id, r.input_ids, r.loss_mask) for r in u.rows))
-        for u in plan_units(samples, args.unit_tokens, 1 << 30)
+        for u in cut_into_units(samples, UnitsSection(max_tokens=args.unit_tokens, max_samples=1 << 30, sort_window_tokens=None))
     ]
     warm, timed = units[:1], units[1:]
     batches = [(u, b) for u in timed for b in plan_batches([len(r.input_ids) for r in u.rows], args.token_budget, pad_to_multiple_of=8)]

@@ -17,37 +17,40 @@ Order of a run (each step is a function of the recipe and the data, so reruns ag
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from hsstore import commit_shards, committed_shard_ids, ensure_store
 from hsstore.storage import StoreLocation
-from pipelines.extract.errors import ExtractionError
-from pipelines.extract.plan import (
-    REJECTS_PATH,
+from pipelines.extract.lineage import (
     aux_layer_ids_for,
     build_features,
     build_lineage,
     reconcile_lineage,
-    resolve_target,
-    write_rejects,
 )
 from pipelines.extract.planner import PlanJournal, StreamPlanner, WindowPlan, data_fingerprint
 from pipelines.extract.recipe import ExtractRecipe
-from pipelines.extract.records import Rejection, RejectReason
+from pipelines.extract.records import Rejection
+from pipelines.extract.rejects import (
+    REJECTS_PATH,
+    UNIT_REJECTS_DIR,
+    UnitRejects,
+    count_worker_rejections,
+    write_rejects,
+)
 from pipelines.extract.summary import ExtractionSummary
+from pipelines.extract.target import resolve_target
 from pipelines.extract.tokenize import SampleTokenizer
 from pipelines.extract.tokenizer_pool import load_tokenizer, make_sample_tokenizer
 from pipelines.generate.manifest import expand_generated_data
 
 __all__ = ["load_tokenizer", "make_sample_tokenizer", "run_extraction"]  # the tokenizer: re-exported
-from pipelines.extract.units import RejectedSample, UnitResult, WorkUnit, unit_shard_id
+from pipelines.extract.units import UnitResult, WorkUnit, unit_shard_id
 from pipelines.extract.worker_spec import WorkerSpec
 from pipelines.target_identity import (
     read_config,
@@ -57,9 +60,6 @@ from pipelines.target_identity import (
 logger = logging.getLogger(__name__)
 
 CommitHook = Callable[[UnitResult, Any], None]
-
-# Per-unit worker rejections, one JSON-lines file per unit that has any (``u000042.jsonl``).
-UNIT_REJECTS_DIR = "rejects/units"
 
 
 def run_extraction(
@@ -193,7 +193,7 @@ def run_extraction(
     # Every unit's worker rejections (this run's, earlier runs', other ranks'), from disk.
     unit_rejects = UnitRejects(location)
     unit_rejects.load([i for i in all_units if unit_shard_id(i) in committed])
-    _count_worker_rejections(summary, unit_rejects)
+    count_worker_rejections(summary, unit_rejects)
     write_rejects(location, planning_rejections + unit_rejects.rejections())
 
     if pending_elsewhere:
@@ -383,114 +383,3 @@ def remove_dead_temp_files(location: StoreLocation) -> list[str]:
                 location.delete(relative)
                 removed.append(relative)
     return removed
-
-
-class UnitRejects:
-    """The worker's rejections per unit, kept in ``rejects/units/<shard id>.jsonl``.
-
-    A unit's file is written before its commit, and removed when a rerun of an uncommitted unit
-    rejects nothing, so for every committed unit the file (or its absence) is that unit's truth.
-    One listing at start; no per-unit I/O for units without rejections.
-    """
-
-    def __init__(self, location: StoreLocation):
-        self.location = location
-        self.by_unit: dict[int, tuple[RejectedSample, ...]] = {}
-        names = (path.rsplit("/", 1)[-1] for path in location.list_files(UNIT_REJECTS_DIR))
-        self._on_disk = {
-            n.removesuffix(".jsonl")
-            for n in names
-            if n.endswith(".jsonl") and not n.startswith(".")
-        }
-
-    @staticmethod
-    def path(shard_id: str) -> str:
-        return f"{UNIT_REJECTS_DIR}/{shard_id}.jsonl"
-
-    def load(self, unit_indices: Iterable[int]) -> None:
-        """Read the rejections of committed units (earlier runs', other ranks')."""
-        for index in unit_indices:
-            if unit_shard_id(index) in self._on_disk:
-                self.by_unit[index] = self._read(index)
-
-    def _read(self, index: int) -> tuple[RejectedSample, ...]:
-        shard_id = unit_shard_id(index)
-        path = self.path(shard_id)
-        rejected = []
-        for line_no, line in enumerate(
-            self.location.read_bytes(path).decode("utf-8").splitlines(), 1
-        ):
-            try:
-                entry = json.loads(line)
-                r = entry["rejection"]
-                rejection = Rejection(
-                    RejectReason(r["reason"]),
-                    r["message"],
-                    r["origin"],
-                    r["source_id"],
-                    r["excerpt"],
-                )
-                sample = RejectedSample(
-                    int(entry["position"]),
-                    str(entry["sample_id"]),
-                    rejection,
-                    int(entry["num_tokens"]),
-                    int(entry["num_loss_tokens"]),
-                )
-            except (ValueError, KeyError, TypeError) as err:
-                raise ExtractionError(
-                    f"{self.location.path(path)}:{line_no}: not a rejection this extraction wrote "
-                    f"({type(err).__name__}: {err}); remove the file and the shard {shard_id} "
-                    "from the store to redo the unit"
-                ) from err
-            rejected.append(sample)
-        return tuple(rejected)
-
-    def save(self, result: UnitResult, unit: WorkUnit) -> None:
-        """Keep a finished unit's rejections (called before its commit)."""
-        path = self.path(unit.shard_id)
-        if result.rejected:
-            lines = [
-                json.dumps(
-                    {
-                        "position": r.position,
-                        "sample_id": r.sample_id,
-                        "num_tokens": r.num_tokens,
-                        "num_loss_tokens": r.num_loss_tokens,
-                        "rejection": r.rejection.to_json(),
-                    },
-                    ensure_ascii=False,
-                )
-                for r in result.rejected
-            ]
-            self.location.write_bytes_atomic(path, ("\n".join(lines) + "\n").encode("utf-8"))
-            self._on_disk.add(unit.shard_id)
-            for r in result.rejected:
-                logger.warning("rejected (%s) %s", r.rejection.reason, r.rejection.message)
-        elif unit.shard_id in self._on_disk:
-            # Left by an attempt that crashed before its commit and rejected something this one
-            # did not: it must not speak for the committed unit on a later resume.
-            self.location.delete(path)
-            self._on_disk.discard(unit.shard_id)
-        if result.rejected:
-            self.by_unit[unit.index] = result.rejected
-        else:
-            self.by_unit.pop(unit.index, None)
-
-    def rejections(self) -> list[Rejection]:
-        """Every unit's rejections, by unit then input order (the same whatever finished first)."""
-        return [r.rejection for index in sorted(self.by_unit) for r in self.by_unit[index]]
-
-
-def _count_worker_rejections(summary: ExtractionSummary, unit_rejects: UnitRejects) -> None:
-    """Move the samples the worker rejected from the accepted counts to the rejected ones."""
-    if not unit_rejects.by_unit:
-        return
-    reasons: Counter[str] = Counter(summary.rejected)
-    for rejected in unit_rejects.by_unit.values():
-        for r in rejected:
-            summary.num_samples -= 1
-            summary.num_tokens -= r.num_tokens
-            summary.num_loss_tokens -= r.num_loss_tokens
-            reasons[str(r.rejection.reason)] += 1
-    summary.rejected = dict(sorted(reasons.items()))

@@ -19,7 +19,6 @@ limit): known before any record is tokenized, so the store can be created and ch
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import itertools
 import json
@@ -35,12 +34,11 @@ import fsspec
 
 from hsstore.storage import StoreLocation
 from pipelines.extract.errors import ExtractionError, RecordSourceError
-from pipelines.extract.plan import cut_units, sort_window
 from pipelines.extract.recipe import ExtractRecipe
 from pipelines.extract.records import Rejection, RejectReason, iter_records
 from pipelines.extract.tokenize import SampleTokenizer, TokenizedSample
 from pipelines.extract.tokenizer_pool import BlockTokenizer
-from pipelines.extract.units import WorkUnit
+from pipelines.extract.units import WorkUnit, cut_window, unit_shard_id, window_is_full
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +174,8 @@ class StreamPlanner:
         num_workers = recipe.planning.num_workers or default_num_workers()
         self.block_tokenizer = BlockTokenizer(tokenizer, recipe, tokenizer_dir, num_workers)
         self.rejected: Counter[str] = Counter()
+        self._seen: dict[str, str] = {}  # sample id -> origin of its first record
+        self._next_unit = 0  # the index of the next unit planned
 
     def _skippable(self) -> dict[int, WindowPlan]:
         """Journal windows whose every unit is committed, by their first record."""
@@ -183,8 +183,8 @@ class StreamPlanner:
             return {}
         skippable = {}
         for window in self.journal.read().values():
-            shard_ids = (f"u{i:06d}" for i in range(window.first_unit, window.first_unit + window.num_units))
-            if all(s in self.committed for s in shard_ids):
+            units = range(window.first_unit, window.first_unit + window.num_units)
+            if all(unit_shard_id(i) in self.committed for i in units):
                 skippable[window.first_record] = window
         return skippable
 
@@ -227,78 +227,86 @@ class StreamPlanner:
 
     def windows(self) -> Iterator[WindowPlan]:
         """Every window in order. Fresh windows are journaled (with a journal) before being yielded."""
-        window_tokens = self.recipe.units.sort_window_tokens
-        skippable = self._skippable()
-        seen: dict[str, str] = {}  # sample id -> origin of its first record
+        self._seen, self._next_unit = {}, 0
         window = WindowPlan(index=0, first_record=0)
-        pending: list[tuple[TokenizedSample, str]] = []
-        next_unit = 0
-
-        def close(current: WindowPlan) -> WindowPlan:
-            nonlocal next_unit
-            current.first_unit = next_unit
-            origin_of = {sample.sample_id: origin for sample, origin in pending}
-            units = cut_units(
-                sort_window([sample for sample, _ in pending]) if window_tokens else [s for s, _ in pending],
-                self.recipe.units.max_tokens,
-                self.recipe.units.max_samples,
-                next_unit,
-            )
-            current.units = [dataclasses.replace(u, origins=tuple(origin_of[r.sample_id] for r in u.rows)) for u in units]
-            current.num_units = len(units)
-            next_unit += len(units)
-            if self.journal is not None:
-                self.journal.write(current)
-            return current
-
+        pending: list[TokenizedSample] = []  # the open window's accepted samples, input order
         try:
-            for item in self.block_tokenizer.map(self._items(skippable)):
+            for item in self.block_tokenizer.map(self._items(self._skippable())):
                 if isinstance(item, _Skip):
-                    if window.num_records:
-                        raise ExtractionError(
-                            f"plan journal window {item.window.index} starts at record "
-                            f"{item.window.first_record}, inside a window planned now: the plan "
-                            f"changed; remove the store's {JOURNAL_DIR} folder to plan afresh"
-                        )
-                    replayed = item.window
-                    if replayed.first_unit != next_unit:
-                        raise ExtractionError(
-                            f"plan journal window {replayed.index} starts at unit {replayed.first_unit}, "
-                            f"expected {next_unit}; remove the store's {JOURNAL_DIR} folder to plan afresh"
-                        )
-                    seen.update(dict(replayed.samples))
-                    next_unit += replayed.num_units
-                    self.rejected.update(str(r.reason) for r in replayed.rejections)
-                    yield replayed
-                    window = WindowPlan(index=replayed.index + 1, first_record=replayed.first_record + replayed.num_records)
+                    yield self._replay(item.window, window)
+                    window = _window_after(item.window)
                     continue
                 for result in item:
-                    window.num_records += 1
-                    origin = result.origin
-                    if isinstance(result, TokenizedSample) and result.sample_id in seen:
-                        result = duplicate_rejection(result, seen[result.sample_id])
-                    if isinstance(result, Rejection):
-                        window.rejections.append(result)
-                        self.rejected[str(result.reason)] += 1
+                    if not self._accept(window, result):
                         continue
-                    seen[result.sample_id] = origin
-                    window.samples.append((result.sample_id, origin))
-                    window.num_samples += 1
-                    window.num_tokens += result.num_tokens
-                    window.num_loss_tokens += int(result.loss_mask.sum())
-                    window.num_truncated += int(result.truncated)
-                    pending.append((result, origin))
-                    if window_tokens and window.num_tokens >= window_tokens:
-                        yield close(window)
+                    pending.append(result)
+                    if window_is_full(window.num_tokens, self.recipe.units):
+                        yield self._close(window, pending)
                         pending = []
-                        window = WindowPlan(index=window.index + 1, first_record=window.first_record + window.num_records)
+                        window = _window_after(window)
             if window.num_records:
-                yield close(window)
+                yield self._close(window, pending)
         finally:
             self.block_tokenizer.close()
 
+    def _accept(self, window: WindowPlan, result: TokenizedSample | Rejection) -> bool:
+        """Count one tokenized record into ``window``; True when it is an accepted sample (a
+        rejection, or a duplicate of an earlier sample, is counted as rejected)."""
+        window.num_records += 1
+        if isinstance(result, TokenizedSample) and result.sample_id in self._seen:
+            result = duplicate_rejection(result, self._seen[result.sample_id])
+        if isinstance(result, Rejection):
+            window.rejections.append(result)
+            self.rejected[str(result.reason)] += 1
+            return False
+        self._seen[result.sample_id] = result.origin
+        window.samples.append((result.sample_id, result.origin))
+        window.num_samples += 1
+        window.num_tokens += result.num_tokens
+        window.num_loss_tokens += int(result.loss_mask.sum())
+        window.num_truncated += int(result.truncated)
+        return True
+
+    def _close(self, window: WindowPlan, samples: list[TokenizedSample]) -> WindowPlan:
+        """Cut the window's samples into units (units.cut_window), journal it."""
+        window.first_unit = self._next_unit
+        window.units = cut_window(
+            samples, self.recipe.units, self._next_unit, origins=[sample.origin for sample in samples]
+        )
+        window.num_units = len(window.units)
+        self._next_unit += window.num_units
+        if self.journal is not None:
+            self.journal.write(window)
+        return window
+
+    def _replay(self, replayed: WindowPlan, open_window: WindowPlan) -> WindowPlan:
+        """A journal window whose units are all committed: its counts and sample ids taken as
+        journaled (its records were read past, untokenized)."""
+        if open_window.num_records:
+            raise ExtractionError(
+                f"plan journal window {replayed.index} starts at record "
+                f"{replayed.first_record}, inside a window planned now: the plan "
+                f"changed; remove the store's {JOURNAL_DIR} folder to plan afresh"
+            )
+        if replayed.first_unit != self._next_unit:
+            raise ExtractionError(
+                f"plan journal window {replayed.index} starts at unit {replayed.first_unit}, "
+                f"expected {self._next_unit}; remove the store's {JOURNAL_DIR} folder to plan afresh"
+            )
+        self._seen.update(dict(replayed.samples))
+        self._next_unit += replayed.num_units
+        self.rejected.update(str(r.reason) for r in replayed.rejections)
+        return replayed
+
+
+def _window_after(window: WindowPlan) -> WindowPlan:
+    """The empty window that starts where ``window`` ends."""
+    return WindowPlan(index=window.index + 1, first_record=window.first_record + window.num_records)
+
 
 def duplicate_rejection(sample: TokenizedSample, first_origin: str) -> Rejection:
+    """The one duplicate rule: a sample whose id (content + tokenization) was seen is rejected,
+    naming the record that was kept."""
     return Rejection(
         RejectReason.DUPLICATE,
         f"{sample.origin}: same content as {first_origin} (sample_id {sample.sample_id}); kept the first",

@@ -22,9 +22,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from hsstore.storage import StoreLocation
-from pipelines.extract.plan import CODE_VERSION, resolve_target
+from pipelines.extract.lineage import CODE_VERSION
 from pipelines.extract.planner import data_fingerprint
 from pipelines.extract.records import iter_records
+from pipelines.extract.target import resolve_target
 from pipelines.generate.manifest import (
     GenerationError,
     GenerationLineage,

@@ -76,9 +76,11 @@ def load_extract_recipe(store: str, data: Path, **extra: Any) -> Any:
 
 
 def expected_sample_ids(recipe: Any) -> set[str]:
-    """The sample ids a complete extraction of ``recipe`` must hold: its own plan, re-derived."""
-    from pipelines.extract.driver import make_sample_tokenizer
-    from pipelines.extract.plan import read_samples
+    """The sample ids a complete extraction of ``recipe`` must hold: its own plan, re-derived by
+    the streaming planner (no journal, nothing written)."""
+    from pipelines.extract.planner import StreamPlanner
+    from pipelines.extract.tokenizer_pool import make_sample_tokenizer
 
-    tokenizer = make_sample_tokenizer(recipe, recipe.tokenizer.path or recipe.target)
-    return {s.sample_id for s in read_samples(recipe, tokenizer).samples}
+    tokenizer_dir = recipe.tokenizer.path or recipe.target
+    planner = StreamPlanner(recipe, make_sample_tokenizer(recipe, tokenizer_dir), tokenizer_dir)
+    return {sample_id for window in planner.windows() for sample_id, _ in window.samples}

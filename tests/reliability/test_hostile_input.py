@@ -47,23 +47,26 @@ def test_a_utf8_bom_costs_no_record_silently(tmp_path):
         assert first.text == "first"
 
 
+def plan_hostile(tmp_path: Path, data: bytes, **batching: object):
+    """The streaming planner (the path ``hsstore extract`` takes) over ``data`` as hostile.jsonl."""
+    from tests.pipelines.extract.helpers import make_recipe, plan_recipe
+
+    path = tmp_path / "hostile.jsonl"
+    path.write_bytes(data)
+    recipe = make_recipe(REFERENCE_TARGET, [path], tmp_path / "store", batching=batching, planning={"num_workers": 1})
+    return plan_recipe(recipe)
+
+
 def test_a_huge_record_is_counted_too_long_not_truncated_silently(tmp_path):
-    from transformers import AutoTokenizer
-
-    from pipelines.extract.plan import plan_samples
-    from pipelines.extract.tokenize import SampleTokenizer
-
     huge = json.dumps({"id": "huge", "text": "word " * 200_000}).encode()
     data = huge + b"\n" + b'{"id": "small", "text": "a small record"}\n'
-    tokenizer = AutoTokenizer.from_pretrained(REFERENCE_TARGET)
-    dropped = plan_samples(iter(read_lines(tmp_path, data)), SampleTokenizer(tokenizer, max_length=128))
+    dropped = plan_hostile(tmp_path, data, max_length=128, too_long="drop")
     assert [s.source_id for s in dropped.samples] == ["small"]
     assert dropped.rejected_by_reason == {"too_long": 1}
     assert "hostile.jsonl:1" in dropped.rejections[0].message and "over max_length=128" in dropped.rejections[0].message
-    truncated = plan_samples(
-        iter(read_lines(tmp_path, data)), SampleTokenizer(tokenizer, max_length=128, too_long="truncate")
-    )
-    assert truncated.num_truncated == 1 and truncated.samples[0].num_tokens == 128
+    truncated = plan_hostile(tmp_path, data, max_length=128, too_long="truncate")
+    assert truncated.num_truncated == 1 and len(truncated.samples[0].input_ids) == 128
+    assert [s.source_id for s in truncated.samples] == ["huge", "small"]
 
 
 def test_deeply_nested_json_is_a_rejection_not_a_crash(tmp_path):
@@ -80,14 +83,8 @@ def test_an_oversized_integer_is_a_rejection_not_a_crash(tmp_path):
 
 
 def test_a_lone_surrogate_is_a_rejection_not_a_crash(tmp_path):
-    from transformers import AutoTokenizer
-
-    from pipelines.extract.plan import plan_samples
-    from pipelines.extract.tokenize import SampleTokenizer
-
     data = b'{"id": "bad", "text": "broken \\ud800 text"}\n{"id": "good", "text": "fine"}\n'
-    tokenizer = SampleTokenizer(AutoTokenizer.from_pretrained(REFERENCE_TARGET), max_length=64)
-    plan = plan_samples(iter(read_lines(tmp_path, data)), tokenizer)
+    plan = plan_hostile(tmp_path, data, max_length=64)
     assert [s.source_id for s in plan.samples] == ["good"]
     assert len(plan.rejections) == 1 and "hostile.jsonl:1" in plan.rejections[0].message
 

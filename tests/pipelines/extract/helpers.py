@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,10 @@ import numpy as np
 import torch
 
 import hsstore
+from pipelines.extract.planner import StreamPlanner, WindowPlan
 from pipelines.extract.recipe import ExtractRecipe
+from pipelines.extract.records import Rejection
+from pipelines.extract.units import SampleRow
 from pipelines.recipe import build_recipe
 
 
@@ -33,6 +37,42 @@ def make_recipe(target: Path, data: list[Path], store: Path, **sections: Any) ->
         else:
             raw[key] = value
     return build_recipe(ExtractRecipe, raw)
+
+
+@dataclass
+class Plan:
+    """What the streaming planner (the path ``hsstore extract`` takes) made of a recipe's data."""
+
+    windows: list[WindowPlan]
+    rejected_by_reason: dict[str, int]
+
+    @property
+    def samples(self) -> list[SampleRow]:
+        """The accepted samples in input order (units hold them length-sorted per window)."""
+        rows = {row.sample_id: row for w in self.windows for u in w.units for row in u.rows}
+        return [rows[sample_id] for w in self.windows for sample_id, _ in w.samples]
+
+    @property
+    def rejections(self) -> list[Rejection]:
+        return [r for w in self.windows for r in w.rejections]
+
+    @property
+    def num_records(self) -> int:
+        return sum(w.num_records for w in self.windows)
+
+    @property
+    def num_truncated(self) -> int:
+        return sum(w.num_truncated for w in self.windows)
+
+
+def plan_recipe(recipe: ExtractRecipe) -> Plan:
+    """Plan ``recipe`` as an extraction does (no journal, nothing written)."""
+    from pipelines.extract.tokenizer_pool import make_sample_tokenizer
+
+    tokenizer_dir = recipe.tokenizer.path or recipe.target
+    planner = StreamPlanner(recipe, make_sample_tokenizer(recipe, tokenizer_dir), tokenizer_dir)
+    windows = list(planner.windows())
+    return Plan(windows, dict(sorted(planner.rejected.items())))
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

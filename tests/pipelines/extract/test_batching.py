@@ -59,9 +59,9 @@ def test_bad_inputs_are_refused() -> None:
 def test_length_sorted_windows_keep_padding_under_1_5_percent() -> None:
     """Issue 13's benchmark lengths (1,024-2,048 tokens, budget 32,768, units of 262,144 tokens):
     units cut in input order pad ~4%; units cut from length-sorted windows (the default) < 1.5%."""
-    from pipelines.extract.plan import plan_units
     from pipelines.extract.recipe import UnitsSection
     from pipelines.extract.tokenize import TokenizedSample
+    from pipelines.extract.units import cut_into_units
 
     rng = np.random.default_rng(0)
     lengths = rng.integers(1024, 2049, 1500)
@@ -70,8 +70,11 @@ def test_length_sorted_windows_keep_padding_under_1_5_percent() -> None:
         for i, n in enumerate(lengths)
     ]
 
+    def units_of(window: int | None) -> list:
+        return cut_into_units(samples, UnitsSection(max_tokens=262144, max_samples=4096, sort_window_tokens=window))
+
     def waste(window: int | None) -> float:
-        units = plan_units(samples, 262144, 4096, window)
+        units = units_of(window)
         assert sorted(r.sample_id for u in units for r in u.rows) == sorted(s.sample_id for s in samples)
         assert [u.index for u in units] == list(range(len(units)))
         return padding_waste([b for u in units for b in plan_batches([len(r.input_ids) for r in u.rows], 32768, pad_to_multiple_of=8)])
@@ -79,5 +82,5 @@ def test_length_sorted_windows_keep_padding_under_1_5_percent() -> None:
     assert waste(None) > 0.03
     assert waste(UnitsSection().sort_window_tokens) < 0.015
     # Deterministic: the same samples always give the same units (what makes a rerun a resume).
-    first, again = plan_units(samples, 262144, 4096, 1 << 20), plan_units(samples, 262144, 4096, 1 << 20)
+    first, again = units_of(1 << 20), units_of(1 << 20)
     assert [[r.sample_id for r in u.rows] for u in first] == [[r.sample_id for r in u.rows] for u in again]

@@ -31,7 +31,7 @@ def many_records(path: Path, count: int) -> Path:
 
 
 def plan_of(recipe: Any) -> list[tuple[int, list[str], list[str]]]:
-    from pipelines.extract.driver import make_sample_tokenizer
+    from pipelines.extract.tokenizer_pool import make_sample_tokenizer
 
     planner = StreamPlanner(recipe, make_sample_tokenizer(recipe, recipe.target), recipe.target)
     return [

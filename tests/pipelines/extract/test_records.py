@@ -10,11 +10,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipelines.extract.errors import RecordSourceError
-from pipelines.extract.plan import plan_samples
 from pipelines.extract.records import Record, Rejection, RejectReason, iter_records
 from pipelines.extract.tokenize import SampleTokenizer
 from tests.factories import REFERENCE_TARGET
 from tests.pipelines.extract.conftest import write_jsonl
+from tests.pipelines.extract.helpers import make_recipe, plan_recipe
 
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
 
@@ -102,7 +102,8 @@ def test_missing_or_unknown_files_name_the_file(tmp_path: Path) -> None:
         list(iter_records([str(tmp_path / "data.csv")]))
 
 
-def test_tokenization_rejections_and_duplicates(tmp_path: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_tokenization_rejections_and_duplicates(tmp_path: Path) -> None:
+    """Through the streaming planner, as ``hsstore extract`` plans."""
     records = [
         {"id": "long", "text": "word " * 50},
         {"id": "ok", "text": "x = 1"},
@@ -111,8 +112,9 @@ def test_tokenization_rejections_and_duplicates(tmp_path: Path, tokenizer) -> No
         {"id": "bad-order", "messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "q"}]},
     ]
     path = write_jsonl(tmp_path / "data.jsonl", records)
-    drop = SampleTokenizer(tokenizer, max_length=16, too_long="drop", loss_mask="prefix_diff")
-    plan = plan_samples(iter_records([str(path)]), drop)
+    settings = {"tokenizer": {"loss_mask": "prefix_diff"}, "planning": {"num_workers": 1}}
+    drop = make_recipe(REFERENCE_TARGET, [path], tmp_path / "store", batching={"max_length": 16, "too_long": "drop"}, **settings)
+    plan = plan_recipe(drop)
     assert [s.source_id for s in plan.samples] == ["ok", "bad-order"]
     by_id = {r.source_id: r for r in plan.rejections}
     assert by_id["long"].reason == RejectReason.TOO_LONG
@@ -122,11 +124,11 @@ def test_tokenization_rejections_and_duplicates(tmp_path: Path, tokenizer) -> No
     assert by_id["cut"].reason == RejectReason.TOO_LONG
     assert plan.rejected_by_reason == {"duplicate": 1, "too_long": 2}
 
-    truncate = SampleTokenizer(tokenizer, max_length=16, too_long="truncate", loss_mask="prefix_diff")
-    plan = plan_samples(iter_records([str(path)]), truncate, limit=4)
+    truncate = make_recipe(REFERENCE_TARGET, [path], tmp_path / "store", batching={"max_length": 16, "too_long": "truncate"}, limit=4, **settings)
+    plan = plan_recipe(truncate)
     assert plan.num_records == 4 and plan.num_truncated == 1
     assert [s.source_id for s in plan.samples] == ["long", "ok"]
-    assert plan.samples[0].num_tokens == 16 and plan.samples[0].truncated
+    assert len(plan.samples[0].input_ids) == 16  # "long" (51 tokens) is the one truncated
     (cut,) = [r for r in plan.rejections if r.source_id == "cut"]
     assert cut.reason == RejectReason.NO_LOSS_TOKENS
     assert cut.message == "data.jsonl:4: no assistant token is left after truncation to max_length to carry loss"

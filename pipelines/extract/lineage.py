@@ -1,0 +1,130 @@
+"""What the store records about an extraction: its feature specs and its lineage.
+
+Both are functions of the recipe, the target and the data, so the same recipe over the same data
+gives the same lineage; that is what makes a rerun a resume. A store extracted with other settings
+is refused (the first differing lineage field named) before any compute.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import hsstore
+from hsstore import FeatureSpec, Lineage
+from hsstore.aux_layers import AUX_HIDDEN_STATES as AUX_FEATURE
+from hsstore.aux_layers import FINAL_HIDDEN_STATE as FINAL_FEATURE
+from hsstore.aux_layers import TOPK_IDS as TOPK_IDS_FEATURE
+from hsstore.aux_layers import TOPK_LOGITS as TOPK_LOGITS_FEATURE
+from hsstore.aux_layers import default_aux_layer_ids
+from hsstore.errors import LineageMismatchError
+from hsstore.storage import StoreLocation
+from pipelines.extract.recipe import ExtractRecipe
+from pipelines.extract.tokenize import SampleTokenizer
+from pipelines.target_identity import chat_template_sha256, identity_model, tokenizer_sha256
+
+CODE_VERSION = f"hsstore {hsstore.__version__}"
+# Lineage fields that describe where things were, not what they are: a resume from another
+# working directory or mount point must not be refused for them.
+INFORMATIONAL_LINEAGE_FIELDS = ("target.name_or_path",)
+
+
+def build_features(recipe: ExtractRecipe, num_aux: int, hidden_size: int) -> list[FeatureSpec]:
+    """The store's feature specs, named as docs/design.md fixes them, with the recipe's codecs."""
+    codecs = recipe.codecs
+
+    def spec(name: str, shape: tuple[int, ...], choice: Any) -> FeatureSpec:
+        return FeatureSpec(
+            name=name,
+            shape=shape,
+            codec=choice.codec,
+            compression=choice.compression,
+            compression_level=choice.compression_level,
+            chunk_bytes=codecs.chunk_bytes,
+            layer_arrays=choice.layer_arrays,
+        )
+
+    features: list[FeatureSpec] = []
+    if num_aux:
+        features.append(spec(AUX_FEATURE, (num_aux, hidden_size), codecs.aux_hidden_states))
+    if recipe.capture.final_hidden_state:
+        features.append(spec(FINAL_FEATURE, (hidden_size,), codecs.final_hidden_state))
+    if recipe.capture.target_distribution == "topk":
+        k = recipe.capture.topk_k
+        features.append(spec(TOPK_LOGITS_FEATURE, (k,), codecs.topk_logits))
+        features.append(
+            # The ids take the logits' compression: an int32 token id's upper bytes are mostly zero
+            # (docs/compact-store.md: top-20 logits + ids 120 -> ~57 bytes/token with zstd).
+            FeatureSpec(
+                name=TOPK_IDS_FEATURE, shape=(k,), codec="int32", chunk_bytes=codecs.chunk_bytes,
+                compression=codecs.topk_logits.compression, compression_level=codecs.topk_logits.compression_level,
+            )
+        )
+    return features
+
+
+def aux_layer_ids_for(recipe: ExtractRecipe, num_hidden_layers: int) -> list[int]:
+    ids = recipe.capture.aux_layer_ids
+    return list(ids) if ids is not None else default_aux_layer_ids(num_hidden_layers)
+
+
+def build_lineage(
+    recipe: ExtractRecipe,
+    target_dir: str,
+    tokenizer_dir: str,
+    tokenizer: SampleTokenizer,
+    aux_layer_ids: list[int],
+    data_fingerprint: str,
+    generation: list[dict[str, Any]] | None = None,
+) -> Lineage:
+    """The store's lineage, recorded in full (docs/design.md 'Lineage'); ``generation``: the
+    lineage of each ``hsstore generate`` dataset among the inputs."""
+    return Lineage(
+        target=identity_model(target_dir, name_or_path=recipe.target, dtype=recipe.model.dtype),
+        tokenizer_sha256=tokenizer_sha256(tokenizer_dir),
+        chat_template_sha256=chat_template_sha256(
+            getattr(tokenizer.tokenizer, "chat_template", None)
+        ),
+        aux_layer_ids=aux_layer_ids,
+        target_distribution=recipe.capture.target_distribution,
+        max_length=recipe.batching.max_length,
+        data_fingerprint=data_fingerprint,
+        code_version=CODE_VERSION,
+        generation=generation,
+        extra={
+            "extract": {
+                "tokenization": tokenizer.settings,
+                "units": recipe.units.model_dump(mode="json"),
+                "topk_k": recipe.capture.topk_k
+                if recipe.capture.target_distribution == "topk"
+                else None,
+            }
+        },
+    )
+
+
+def reconcile_lineage(location: StoreLocation, lineage: Lineage) -> Lineage:
+    """The lineage to commit with: ours for a new store; the store's when only informational fields differ.
+
+    Raises LineageMismatchError naming the first differing field otherwise, before any compute.
+    """
+    from hsstore.commit import read_manifest
+
+    manifest = read_manifest(location)
+    if manifest is None:
+        return lineage
+    diffs = [d for d in manifest.lineage.diff(lineage) if d[0] not in INFORMATIONAL_LINEAGE_FIELDS]
+    if diffs:
+        field_name, stored, ours = diffs[0]
+        raise LineageMismatchError(
+            f"{location.url} was extracted with other settings: lineage field {field_name!r} is "
+            f"{_short(stored)} in the store and {_short(ours)} for this recipe "
+            f"({len(diffs)} field(s) differ). A rerun resumes only the same recipe over the same "
+            "data; write to a new store."
+        )
+    return manifest.lineage
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, default=str)
+    return text if len(text) <= 120 else text[:117] + "..."
