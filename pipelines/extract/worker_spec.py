@@ -3,10 +3,12 @@ value that travels to Ray actors. Torch-free, so the driver builds it without lo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from hsstore import FeatureSpec
+from pipelines.extract.recipe import ExtractRecipe
 
 
 @dataclass(frozen=True)
@@ -39,3 +41,39 @@ class WorkerSpec:
     profile_dir: str | None = None
     profile_batches: int = 3
 
+    @classmethod
+    def from_recipe(
+        cls,
+        recipe: ExtractRecipe,
+        *,
+        target_dir: str,
+        features: Sequence[FeatureSpec],
+        aux_layer_ids: Sequence[int],
+        pad_token_id: int,
+    ) -> WorkerSpec:
+        """The recipe's worker settings; ``target_dir``: the target resolved to a local folder.
+
+        ``num_gpus`` stays 1: the Ray executor sets it from ``ray.num_gpus_per_worker``."""
+        capture = recipe.capture
+        return cls(
+            target=target_dir,
+            store=recipe.store,
+            storage_options=dict(recipe.storage_options),
+            features=tuple(features),
+            aux_layer_ids=tuple(aux_layer_ids),
+            final_hidden_state=capture.final_hidden_state,
+            topk_k=capture.topk_k if capture.target_distribution == "topk" else None,
+            topk_chunk_tokens=capture.topk_chunk_tokens,
+            dtype=recipe.model.dtype,
+            device=recipe.model.device,
+            attn_implementation=recipe.model.attn_implementation,
+            trust_remote_code=recipe.model.trust_remote_code,
+            token_budget=recipe.batching.token_budget,
+            max_batch_size=recipe.batching.max_batch_size,
+            max_length=recipe.batching.max_length,
+            pad_to_multiple_of=recipe.batching.pad_to_multiple_of,
+            pass_attention_mask=recipe.batching.pass_attention_mask,
+            pad_token_id=int(pad_token_id),
+            profile_dir=recipe.profiler.dir,
+            profile_batches=recipe.profiler.batches,
+        )

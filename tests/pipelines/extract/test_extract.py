@@ -12,9 +12,9 @@ import hsstore
 from hsstore.errors import LineageMismatchError
 from pipelines.cli import main as cli_main
 from pipelines.extract import run_extraction
-from pipelines.extract.driver import make_sample_tokenizer
 from pipelines.extract.records import Record
 from pipelines.extract.target import load_target
+from pipelines.extract.tokenizer_pool import make_sample_tokenizer
 from tests.factories import REFERENCE_TARGET, REPO_ROOT
 from tests.pipelines.extract.conftest import MIXED_RECORDS, write_jsonl
 from tests.pipelines.extract.helpers import (
