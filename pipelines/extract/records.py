@@ -40,7 +40,7 @@ class RejectReason(StrEnum):
     TOO_LONG = "too_long"
     NO_LOSS_TOKENS = "no_loss_tokens"
     DUPLICATE = "duplicate"
-    WORKER_ERROR = "worker_error"  # the target raised on the record (pipelines/extract/worker.py)
+    WORKER_ERROR = "worker_error"  # the target raised on the record (pipelines/extract/isolation.py)
     GENERATION_ERROR = "generation_error"  # hsstore generate: the backend failed on the record
 
 
@@ -134,132 +134,130 @@ def _is_utf8(text: str) -> bool:
     return True
 
 
+class _Reject(Exception):
+    """Raised by the validators below; :func:`parse_record` turns it into a :class:`Rejection`."""
+
+    def __init__(self, reason: RejectReason, problem: str):
+        super().__init__(problem)
+        self.reason = reason
+        self.problem = problem
+
+
 def parse_record(
     obj: Any, origin: str, default_id: str, *, require_assistant: bool = True
 ) -> Record | Rejection:
-    """Validate one decoded record; ``require_assistant`` rejects chats without an assistant turn."""
+    """Validate one decoded record; ``require_assistant`` rejects chats without an assistant turn.
 
-    def reject(reason: RejectReason, problem: str, source_id: str | None = None) -> Rejection:
-        return Rejection(reason, f"{origin}: {problem}", origin, source_id, _excerpt(obj))
+    A rejection names the record's source id once it is known (a record whose ``id`` is itself
+    wrong is rejected without one)."""
+    source_id: str | None = None
+    try:
+        source_id = _source_id(obj, default_id)
+        return _parse_content(obj, origin, source_id, require_assistant)
+    except _Reject as reject:
+        return Rejection(reject.reason, f"{origin}: {reject.problem}", origin, source_id, _excerpt(obj))
 
+
+def _source_id(obj: Any, default_id: str) -> str:
     if not isinstance(obj, dict):
-        return reject(
-            RejectReason.WRONG_TYPE, f"expected a JSON object, found {type(obj).__name__}"
-        )
+        raise _Reject(RejectReason.WRONG_TYPE, f"expected a JSON object, found {type(obj).__name__}")
     raw_id = obj.get("id")
     if raw_id is None:
-        source_id = default_id
-    elif isinstance(raw_id, str | int) and not isinstance(raw_id, bool):
-        source_id = str(raw_id)
-    else:
-        return reject(
-            RejectReason.WRONG_TYPE,
-            f"'id' must be a string or integer, found {type(raw_id).__name__}",
-        )
+        return default_id
+    if isinstance(raw_id, str | int) and not isinstance(raw_id, bool):
+        return str(raw_id)
+    raise _Reject(
+        RejectReason.WRONG_TYPE, f"'id' must be a string or integer, found {type(raw_id).__name__}"
+    )
 
+
+def _parse_content(
+    obj: dict[str, Any], origin: str, source_id: str, require_assistant: bool
+) -> Record:
+    """Which kind of record ``obj`` is (text, continuation, chat), and that kind validated."""
     messages_key = (
         "messages" if "messages" in obj else "conversations" if "conversations" in obj else None
     )
     if "prompt" in obj and "completion" in obj and messages_key is None and obj.get("text") is None:
         # Only then: datasets carry a "prompt" key beside their messages (UltraChat) as metadata.
-        return _parse_continuation(obj, origin, source_id, reject)
+        return _parse_continuation(obj, origin, source_id)
     has_text = obj.get("text") is not None
     if has_text and messages_key:
-        return reject(
-            RejectReason.WRONG_TYPE, f"has both 'text' and '{messages_key}'; keep one", source_id
-        )
-    if not has_text and messages_key is None:
-        return reject(RejectReason.WRONG_TYPE, "has neither 'text' nor 'messages'", source_id)
-
+        raise _Reject(RejectReason.WRONG_TYPE, f"has both 'text' and '{messages_key}'; keep one")
     if has_text:
-        text = obj["text"]
-        if not isinstance(text, str):
-            return reject(
-                RejectReason.WRONG_TYPE,
-                f"'text' must be a string, found {type(text).__name__}",
-                source_id,
-            )
-        if not text.strip():
-            return reject(RejectReason.EMPTY, "'text' is empty", source_id)
-        if not _is_utf8(text):
-            return reject(RejectReason.INVALID_UTF8, "'text' holds a lone surrogate (not UTF-8)", source_id)
-        return Record(source_id=source_id, origin=origin, text=text)
+        return Record(source_id=source_id, origin=origin, text=_parse_text(obj["text"]))
+    if messages_key is None:
+        raise _Reject(RejectReason.WRONG_TYPE, "has neither 'text' nor 'messages'")
+    messages = _parse_messages(obj[messages_key], messages_key, require_assistant)
+    return Record(source_id=source_id, origin=origin, messages=messages)
 
-    turns = obj[messages_key]
+
+def _parse_text(text: Any) -> str:
+    if not isinstance(text, str):
+        raise _Reject(RejectReason.WRONG_TYPE, f"'text' must be a string, found {type(text).__name__}")
+    if not text.strip():
+        raise _Reject(RejectReason.EMPTY, "'text' is empty")
+    if not _is_utf8(text):
+        raise _Reject(RejectReason.INVALID_UTF8, "'text' holds a lone surrogate (not UTF-8)")
+    return text
+
+
+def _parse_messages(
+    turns: Any, messages_key: str, require_assistant: bool
+) -> tuple[dict[str, str], ...]:
+    """OpenAI or ShareGPT turns, roles mapped onto OpenAI's (:data:`ROLE_ALIASES`)."""
     if not isinstance(turns, list):
-        return reject(
-            RejectReason.WRONG_TYPE,
-            f"'{messages_key}' must be a list, found {type(turns).__name__}",
-            source_id,
+        raise _Reject(
+            RejectReason.WRONG_TYPE, f"'{messages_key}' must be a list, found {type(turns).__name__}"
         )
     if not turns:
-        return reject(RejectReason.EMPTY, f"'{messages_key}' is an empty list", source_id)
-    messages: list[dict[str, str]] = []
-    for n, turn in enumerate(turns):
-        if not isinstance(turn, dict):
-            return reject(
-                RejectReason.WRONG_TYPE,
-                f"{messages_key}[{n}] must be an object, found {type(turn).__name__}",
-                source_id,
-            )
-        role_key, content_key = ("role", "content") if "role" in turn else ("from", "value")
-        role = turn.get(role_key)
-        if not isinstance(role, str):
-            return reject(
-                RejectReason.WRONG_TYPE,
-                f"{messages_key}[{n}] needs a string 'role' (or ShareGPT 'from')",
-                source_id,
-            )
-        mapped = ROLE_ALIASES.get(role.lower())
-        if mapped is None:
-            known = ", ".join(sorted(ROLE_ALIASES))
-            return reject(
-                RejectReason.UNKNOWN_ROLE,
-                f"{messages_key}[{n}] has unknown role {role!r} (known: {known})",
-                source_id,
-            )
-        text = _content_text(turn.get(content_key))
-        if text is None:
-            found = type(turn.get(content_key)).__name__
-            return reject(
-                RejectReason.WRONG_TYPE,
-                f"{messages_key}[{n}].{content_key} must be a string or text parts, found {found}",
-                source_id,
-            )
-        if not _is_utf8(text):
-            return reject(
-                RejectReason.INVALID_UTF8,
-                f"{messages_key}[{n}].{content_key} holds a lone surrogate (not UTF-8)",
-                source_id,
-            )
-        messages.append({"role": mapped, "content": text})
+        raise _Reject(RejectReason.EMPTY, f"'{messages_key}' is an empty list")
+    messages = [_parse_turn(turn, f"{messages_key}[{n}]") for n, turn in enumerate(turns)]
     if not any(m["content"].strip() for m in messages):
-        return reject(RejectReason.EMPTY, f"every turn of '{messages_key}' is empty", source_id)
+        raise _Reject(RejectReason.EMPTY, f"every turn of '{messages_key}' is empty")
     if require_assistant and not any(m["role"] == "assistant" for m in messages):
-        return reject(
-            RejectReason.NO_ASSISTANT_TURN,
-            "has no assistant turn, so no token would carry loss",
-            source_id,
+        raise _Reject(
+            RejectReason.NO_ASSISTANT_TURN, "has no assistant turn, so no token would carry loss"
         )
-    return Record(source_id=source_id, origin=origin, messages=tuple(messages))
+    return tuple(messages)
 
 
-def _parse_continuation(
-    obj: dict[str, Any], origin: str, source_id: str, reject: Any
-) -> Record | Rejection:
+def _parse_turn(turn: Any, where: str) -> dict[str, str]:
+    """One turn (``where``: ``messages[3]``) as ``{"role", "content"}``."""
+    if not isinstance(turn, dict):
+        raise _Reject(RejectReason.WRONG_TYPE, f"{where} must be an object, found {type(turn).__name__}")
+    role_key, content_key = ("role", "content") if "role" in turn else ("from", "value")
+    role = turn.get(role_key)
+    if not isinstance(role, str):
+        raise _Reject(RejectReason.WRONG_TYPE, f"{where} needs a string 'role' (or ShareGPT 'from')")
+    mapped = ROLE_ALIASES.get(role.lower())
+    if mapped is None:
+        known = ", ".join(sorted(ROLE_ALIASES))
+        raise _Reject(RejectReason.UNKNOWN_ROLE, f"{where} has unknown role {role!r} (known: {known})")
+    text = _content_text(turn.get(content_key))
+    if text is None:
+        found = type(turn.get(content_key)).__name__
+        raise _Reject(
+            RejectReason.WRONG_TYPE, f"{where}.{content_key} must be a string or text parts, found {found}"
+        )
+    if not _is_utf8(text):
+        raise _Reject(RejectReason.INVALID_UTF8, f"{where}.{content_key} holds a lone surrogate (not UTF-8)")
+    return {"role": mapped, "content": text}
+
+
+def _parse_continuation(obj: dict[str, Any], origin: str, source_id: str) -> Record:
     """``{"prompt": str, "completion": str}``: text, loss on the completion only."""
     prompt, completion = obj.get("prompt"), obj.get("completion")
     if not isinstance(prompt, str) or not isinstance(completion, str):
-        return reject(
+        raise _Reject(
             RejectReason.WRONG_TYPE,
             f"'prompt' and 'completion' must both be strings, found {type(prompt).__name__} and "
             f"{type(completion).__name__}",
-            source_id,
         )
     if not (prompt + completion).strip():
-        return reject(RejectReason.EMPTY, "'prompt' and 'completion' are empty", source_id)
+        raise _Reject(RejectReason.EMPTY, "'prompt' and 'completion' are empty")
     if not _is_utf8(prompt + completion):
-        return reject(RejectReason.INVALID_UTF8, "'prompt' or 'completion' holds a lone surrogate", source_id)
+        raise _Reject(RejectReason.INVALID_UTF8, "'prompt' or 'completion' holds a lone surrogate")
     return Record(source_id=source_id, origin=origin, text=prompt + completion, prompt=prompt)
 
 
