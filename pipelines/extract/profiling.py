@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from pipelines.extract.units import unit_shard_id
+
 logger = logging.getLogger(__name__)
 
 # Host ranges the worker marks (torch.profiler.record_function), so a trace reads as the worker's
@@ -89,7 +91,8 @@ class FirstBatchesProfiler:
         folder = Path(self.directory)
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            path = folder / f"extract-{socket.gethostname()}-{os.getpid()}-u{self._unit_index:06d}.pt.trace.json.gz"
+            shard_id = unit_shard_id(self._unit_index)
+            path = folder / f"extract-{socket.gethostname()}-{os.getpid()}-{shard_id}.pt.trace.json.gz"
             profile.export_chrome_trace(str(path))  # gzipped: the name ends in .gz
         except OSError as err:
             # A diagnostic must not fail the extraction it looks at.
