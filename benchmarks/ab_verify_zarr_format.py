@@ -24,10 +24,10 @@ if str(REPO) not in sys.path:
 
 import zarr  # noqa: E402
 
-from benchmarks.bench_object_store import upload, write_store  # noqa: E402
-from benchmarks.moto_s3 import MotoS3  # noqa: E402
+from benchmarks.bench_object_store import write_store  # noqa: E402
 from hsstore.storage import StoreLocation  # noqa: E402
 from hsstore.verify import verify_store  # noqa: E402
+from tests.support.s3 import MotoS3, upload  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

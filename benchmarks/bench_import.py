@@ -44,7 +44,8 @@ def build_dump(args: argparse.Namespace) -> Path:
     """The SpecForge dump of ``args.files`` files (built once per workdir)."""
     from pipelines.export.features import export_features
     from pipelines.export.peer_layouts import specforge_sample_path
-    from tests.factories import TRAIN_DATA, extract_reference_store
+    from tests.support.paths import TRAIN_DATA
+    from tests.support.stores import extract_reference_store
 
     dump = args.workdir / "specforge"
     if (dump / "done").exists():
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from pipelines.peer_import import import_features
-    from tests.factories import REFERENCE_TARGET
+    from tests.support.paths import REFERENCE_TARGET
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     dump = build_dump(args)

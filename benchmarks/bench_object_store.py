@@ -4,7 +4,7 @@ Two measurements, one run:
 
 1. **Read throughput**: one synthetic store (bf16 ``aux_hidden_states [3, H]`` + ``final_hidden_state
    [H]``, default chunks, sample lengths log-normal around ``--mean-len``) is written to a local
-   folder, then copied object by object into moto's S3 server on loopback (benchmarks/moto_s3.py: a
+   folder, then copied object by object into moto's S3 server on loopback (tests/support/s3.py: a
    separate process, as an endpoint would be, counting the requests it serves). The same
    :class:`hsstore.loader.StreamingLoader` settings read one epoch of packed batches (stored bits,
    what the host hands a GPU) from each, interleaved and repeated; medians are reported. Also
@@ -44,11 +44,11 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import hsstore  # noqa: E402
-from benchmarks.moto_s3 import MotoS3  # noqa: E402
 from hsstore import FeatureSpec, Lineage  # noqa: E402
 from hsstore.read_cache import ReadCache  # noqa: E402
 from hsstore.storage.s3_reads import ENV_VAR as RANGE_READER_ENV  # noqa: E402
 from hsstore.storage.s3_reads import ObstoreRangeReader  # noqa: E402
+from tests.support.s3 import MotoS3, upload  # noqa: E402
 
 FEATURES = ["aux_hidden_states", "final_hidden_state"]
 NUM_AUX = 3
@@ -101,16 +101,6 @@ def range_reader(name: str) -> Iterator[None]:
             os.environ.pop(RANGE_READER_ENV, None)
         else:
             os.environ[RANGE_READER_ENV] = before
-
-
-def upload(local: Path, url: str) -> None:
-    import s3fs
-
-    fs = s3fs.S3FileSystem()
-    bucket = url.removeprefix("s3://").split("/", 1)[0]
-    if not fs.exists(bucket):
-        fs.mkdir(bucket)
-    fs.put(str(local), url.removeprefix("s3://"), recursive=True)
 
 
 def read_epoch(store: str | hsstore.Store, settings: dict[str, Any], cache: ReadCache | None = None) -> dict[str, Any]:
@@ -211,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttfb-hidden", type=int, default=64)
     parser.add_argument("--endpoint-processes", type=int, default=1,
                         help="moto server processes: >1 forks the endpoint into that many read-only copies "
-                        "once both stores are uploaded (benchmarks/moto_s3.py, MotoS3.freeze), as a real "
+                        "once both stores are uploaded (tests/support/s3.py, MotoS3.freeze), as a real "
                         "endpoint scales with connections")
     parser.add_argument("--quick", action="store_true", help="a tiny run (H=256, 4k tokens, 50 shards)")
     parser.add_argument("--workdir", default=None)

@@ -32,8 +32,11 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_object_store import range_reader, read_epoch, upload, write_store  # noqa: E402
-from benchmarks.moto_s3 import MotoS3  # noqa: E402
+from benchmarks.bench_object_store import range_reader, read_epoch, write_store  # noqa: E402
+from tests.support.s3 import (
+    MotoS3,  # noqa: E402
+    upload,  # noqa: E402
+)
 
 
 def main(argv: list[str] | None = None) -> int:

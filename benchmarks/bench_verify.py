@@ -1,7 +1,7 @@
 """``hsstore verify`` with shards checked in threads vs one at a time, local and on moto S3, one run.
 
 One synthetic bf16 store (``bench_object_store.write_store``) is written to a local folder and
-copied into moto's S3 server on loopback (``benchmarks/moto_s3.py``); ``verify_store`` (every file's
+copied into moto's S3 server on loopback (``tests/support/s3.py``); ``verify_store`` (every file's
 size and sha256, every table and array header) runs on each with ``threads=1`` (what ``hsstore
 verify`` did before) and with its default (the cores locally, the location's read threads on S3),
 alternating, ``--repeats`` times; medians and their ratio are reported. The local store is read
@@ -28,10 +28,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_object_store import range_reader, upload, write_store  # noqa: E402
-from benchmarks.moto_s3 import MotoS3  # noqa: E402
+from benchmarks.bench_object_store import range_reader, write_store  # noqa: E402
 from hsstore.storage import StoreLocation  # noqa: E402
 from hsstore.verify import verify_store  # noqa: E402
+from tests.support.s3 import MotoS3, upload  # noqa: E402
 
 
 def timed_verify(url: str, threads: int | None) -> dict[str, Any]:
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard-tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--endpoint-processes", type=int, default=1,
-                        help="moto server processes once the store is uploaded (benchmarks/moto_s3.py, MotoS3.freeze)")
+                        help="moto server processes once the store is uploaded (tests/support/s3.py, MotoS3.freeze)")
     parser.add_argument("--quick", action="store_true", help="a tiny run (4k tokens, 4 shards, 1 repeat)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)

@@ -32,9 +32,9 @@ if str(REPO) not in sys.path:
 
 import hsstore.format.array_reader as array_reader  # noqa: E402
 import hsstore.storage.base as storage_base  # noqa: E402
-from benchmarks.bench_object_store import range_reader, read_epoch, upload, write_store  # noqa: E402
-from benchmarks.moto_s3 import MotoS3  # noqa: E402
+from benchmarks.bench_object_store import range_reader, read_epoch, write_store  # noqa: E402
 from hsstore.storage import S3Backend  # noqa: E402
+from tests.support.s3 import MotoS3, upload  # noqa: E402
 
 
 class PhaseTimes:

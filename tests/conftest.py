@@ -1,9 +1,9 @@
 """Shared fixtures: the in-repo reference target, the data, one reference store, one Ray session and
-one S3 endpoint on loopback (moto) for the whole test session. Paths and store builders live in tests/factories.py."""
+one S3 endpoint on loopback (moto) for the whole test session. Paths, store builders, tiny models and
+the S3 server live in tests/support/."""
 
 from __future__ import annotations
 
-import logging
 import os
 
 # As the CLI does (pipelines/cli.py, OPENMP_DEFAULTS): torch's OpenMP threads must not spin while the
@@ -18,13 +18,8 @@ from typing import Any
 
 import pytest
 
-from tests.factories import (
-    EXAMPLES_DATA,
-    REFERENCE_TARGET,
-    SHARED_DATA,
-    TRAIN_DATA,
-    extract_reference_store,
-)
+from tests.support.paths import EXAMPLES_DATA, REFERENCE_TARGET, SHARED_DATA, TRAIN_DATA
+from tests.support.stores import extract_reference_store
 
 
 @pytest.fixture(scope="session")
@@ -68,6 +63,28 @@ def reference_store(tmp_path_factory: pytest.TempPathFactory, records_path: Path
 
 
 @pytest.fixture(scope="session")
+def s3_server() -> Iterator[Any]:
+    """The session's one S3 endpoint: moto's server on loopback in its own process
+    (tests/support/s3.py), counting the requests it serves. The dummy AWS keys are exported (never a
+    real account); the endpoint is not: tests point at it through ``s3_server.environ()`` or
+    storage options."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    from tests.support.s3 import DUMMY_KEYS, MotoS3
+
+    for key, value in DUMMY_KEYS.items():
+        os.environ.setdefault(key, value)
+    with MotoS3() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(s3_server: Any) -> str:
+    """The URL of :func:`s3_server` (``http://127.0.0.1:<port>``)."""
+    return s3_server.endpoint
+
+
+@pytest.fixture(scope="session")
 def ray_session() -> Iterator[Any]:
     """One local Ray (2 CPUs) for every Ray test; started on first use (~3 s), shut down at the end
     only if this fixture started it."""
@@ -96,27 +113,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
-# -- S3: moto's server mode on 127.0.0.1, reached through s3fs as any S3-compatible store -------
-
-
-@pytest.fixture(scope="session")
-def s3_endpoint() -> Iterator[str]:
-    """An S3-compatible endpoint on loopback (moto's ThreadedMotoServer, as s3fs's own tests use)."""
-    pytest.importorskip("s3fs")
-    moto_server = pytest.importorskip("moto.server")
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    # Dummy credentials for the local endpoint only; never a real account.
-    for key, value in {
-        "AWS_ACCESS_KEY_ID": "hsstore-test",
-        "AWS_SECRET_ACCESS_KEY": "hsstore-test",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        os.environ.setdefault(key, value)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+# -- S3: a fresh store on the session's endpoint (s3_endpoint above), reached through s3fs --------
 
 
 @pytest.fixture

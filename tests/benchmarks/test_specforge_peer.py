@@ -25,7 +25,7 @@ pytest.importorskip("accelerate", reason="SpecForge's trainer imports accelerate
 from pipelines.export.serving import export_draft  # noqa: E402
 from pipelines.models.checkpoint import load_draft  # noqa: E402
 from pipelines.train import TrainRecipe, run_training  # noqa: E402
-from tests.factories import REFERENCE_TARGET  # noqa: E402
+from tests.support.paths import REFERENCE_TARGET  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "specforge_peer.py"
 NUM_SAMPLES = 8

@@ -24,8 +24,9 @@ import numpy as np
 
 import hsstore
 from hsstore import FeatureSpec, Lineage
+from tests.support.paths import REPO_ROOT
 
-GOLDEN_DIR = Path(__file__).resolve().parents[1] / "data" / "golden"
+GOLDEN_DIR = REPO_ROOT / "tests" / "data" / "golden"
 COMPRESSIONS = ("none", "zstd", "blosc")
 SAMPLE_LENGTHS = (7, 0, 13, 1, 19)
 SHARD_MAX_TOKENS = 20  # two store shards: [7, 0, 13] and [1, 19]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-from tests.factories import write_store
+from tests.support.stores import write_store
 
 
 def test_info_json_has_the_keys_scripts_rely_on(tmp_path):

@@ -16,9 +16,8 @@ import hsstore
 from hsstore.storage import StoreLocation
 from hsstore.verify import verify_store
 from pipelines.cli import main as cli_main
-from tests.factories import make_lineage, make_sample, make_specs, write_store
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.paths import REPO_ROOT
+from tests.support.stores import make_lineage, make_sample, make_specs, write_store
 
 # A writer process: one shard per unit of 5 samples, committed after each unit, forever slow enough
 # to be killed mid-way. Unit u holds samples 5u..5u+4.
@@ -27,7 +26,7 @@ WRITER = textwrap.dedent(
     import sys, time
     sys.path.insert(0, {repo!r})
     import hsstore
-    from tests.factories import make_lineage, make_sample, make_specs
+    from tests.support.stores import make_lineage, make_sample, make_specs
     url, units = sys.argv[1], [int(u) for u in sys.argv[2].split(",")]
     specs, lineage = make_specs(), make_lineage()
     for unit in units:
@@ -44,7 +43,7 @@ WRITER = textwrap.dedent(
 
 
 def run_writer(url: str, units: list[int]) -> subprocess.Popen:
-    script = WRITER.format(repo=str(REPO))
+    script = WRITER.format(repo=str(REPO_ROOT))
     return subprocess.Popen([sys.executable, "-c", script, url, ",".join(map(str, units))], stdout=subprocess.PIPE, text=True)
 
 

@@ -7,7 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "hsstore"
+from tests.support.paths import REPO_ROOT
+
+PACKAGE = REPO_ROOT / "hsstore"
 
 
 def _module_name(path: Path) -> str:

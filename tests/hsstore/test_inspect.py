@@ -12,15 +12,8 @@ import hsstore
 from hsstore import inspect as hi
 from hsstore.errors import HsstoreError
 from pipelines.cli import main as cli_main
-from tests.factories import (
-    HIDDEN,
-    NUM_AUX,
-    REFERENCE_TARGET,
-    make_lineage,
-    make_sample,
-    make_specs,
-    write_store,
-)
+from tests.support.paths import REFERENCE_TARGET
+from tests.support.stores import HIDDEN, NUM_AUX, make_lineage, make_sample, make_specs, write_store
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

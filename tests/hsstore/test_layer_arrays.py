@@ -13,7 +13,7 @@ from hsstore import FeatureSpec
 from hsstore.aux_layers import select_aux_layers
 from hsstore.errors import AuxLayerError
 from hsstore.loader import LoaderError
-from tests.factories import make_lineage
+from tests.support.stores import make_lineage
 
 HIDDEN = 16
 NUM_LAYERS = 6

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import hsstore
 from hsstore import ManifestError, parse_manifest
-from tests.factories import write_store
+from tests.support.stores import write_store
 
 
 @pytest.fixture

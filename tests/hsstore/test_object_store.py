@@ -1,6 +1,6 @@
 """Training reads from object storage (issue 16): the loader on moto's S3 server on loopback.
 
-The server runs in its own process and counts the requests it serves (benchmarks/moto_s3.py), so
+The server runs in its own process and counts the requests it serves (tests/support/s3.py), so
 these tests check what the loader really sends: nothing per shard before the first batch, one
 ranged GET per sample and array, nothing of the batches a resumed run has already seen, and no
 feature GET at all once a local ReadCache holds the bytes.
@@ -12,7 +12,6 @@ import json
 import os
 import pickle
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,8 @@ import pytest
 import hsstore
 from hsstore import FeatureSpec
 from hsstore.read_cache import ReadCache
-from tests.factories import make_lineage, make_sample
+from tests.support.paths import REPO_ROOT
+from tests.support.stores import make_lineage, make_sample
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
@@ -31,12 +31,11 @@ FEATURES = ["aux_hidden_states", "final_hidden_state"]
 ARRAYS = 2  # bf16: one array per feature
 
 
-@pytest.fixture(scope="module")
-def s3() -> Iterator[Any]:
-    from benchmarks.moto_s3 import MotoS3
-
-    with MotoS3() as server:
-        yield server
+@pytest.fixture
+def s3(s3_server: Any) -> Any:
+    """The session's S3 endpoint (tests/conftest.py), its request counts reset."""
+    s3_server.requests(reset=True)
+    return s3_server
 
 
 @pytest.fixture
@@ -268,7 +267,7 @@ def test_a_damaged_cache_entry_is_fetched_again(stores: tuple[str, str], tmp_pat
 
 def _server_of(url: str) -> Any:
     """The module's server (the URL's endpoint comes from the environment the fixture set)."""
-    from benchmarks.moto_s3 import MotoS3
+    from tests.support.s3 import MotoS3
 
     server = MotoS3()
     server.port = int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
@@ -484,7 +483,7 @@ def test_the_cli_on_an_s3_store_prints_no_botocore_chatter(stores: tuple[str, st
     import sys
 
     _, url = stores
-    repo = Path(__file__).resolve().parents[2]
+    repo = REPO_ROOT
     quiet = subprocess.run([sys.executable, "-m", "pipelines.cli", "verify", url], cwd=repo, capture_output=True, text=True, timeout=300)
     assert quiet.returncode == 0 and quiet.stdout.strip().endswith(": OK"), quiet.stderr[-2000:]
     assert "botocore" not in quiet.stderr, quiet.stderr[-2000:]

@@ -27,7 +27,7 @@ from hsstore.storage import (
     register_backend,
 )
 from hsstore.testing import StoreTests
-from tests.factories import write_store
+from tests.support.stores import write_store
 
 
 class TestLocalStore(StoreTests):

@@ -10,7 +10,7 @@ import pytest
 import hsstore
 from hsstore import StoreLocation
 from hsstore.verify import verify_store
-from tests.factories import make_lineage, make_sample, make_specs
+from tests.support.stores import make_lineage, make_sample, make_specs
 
 
 def _damaged_store(tmp_path: Path) -> str:

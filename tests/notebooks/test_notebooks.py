@@ -10,8 +10,9 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-REPO = Path(__file__).resolve().parents[2]
-NOTEBOOKS = REPO / "notebooks"
+from tests.support.paths import REPO_ROOT
+
+NOTEBOOKS = REPO_ROOT / "notebooks"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

@@ -10,17 +10,11 @@ from hsstore import AuxLayerError
 from hsstore.aux_layers import check_aux_layer_ids, default_aux_layer_ids
 from pipelines.evaluate.target import TargetModel, TargetModelError
 from pipelines.extract.capture import HiddenStateCapture
+from tests.support.models import tiny_qwen3
 
 
-def tiny_qwen3(num_layers: int = 3) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-    )
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
+def three_layer_qwen3(num_layers: int = 3) -> torch.nn.Module:
+    return tiny_qwen3(num_hidden_layers=num_layers)
 
 
 def test_defaults_are_clamped_and_deduplicated_in_one_place() -> None:
@@ -43,7 +37,7 @@ def test_accepted_range_is_zero_to_num_layers() -> None:
 def test_extraction_and_evaluation_accept_and_mean_the_same_ids() -> None:
     """A store extracted with id L (the final norm's output) can be evaluated, and the states
     evaluation reads for every id equal what extraction stored."""
-    model = tiny_qwen3()
+    model = three_layer_qwen3()
     num_layers = model.config.num_hidden_layers
     ids = [0, 1, num_layers]
     tokens = torch.tensor([[5, 9, 3, 17, 2, 40]])

@@ -20,7 +20,8 @@ from pipelines.cli import main as hsstore_main
 from pipelines.export.features import export_features
 from pipelines.peer_import import ImportSourceError, import_features
 from pipelines.train.lineage_check import check_lineage
-from tests.factories import REFERENCE_TARGET, extract_reference_store
+from tests.support.paths import REFERENCE_TARGET
+from tests.support.stores import extract_reference_store
 
 pytestmark = pytest.mark.slow
 

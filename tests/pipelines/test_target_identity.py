@@ -18,7 +18,7 @@ from pipelines.target_identity import (
     target_identity,
     tokenizer_sha256,
 )
-from tests.factories import REFERENCE_TARGET
+from tests.support.paths import REFERENCE_TARGET
 
 
 @pytest.fixture()

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.factories import REFERENCE_TARGET  # noqa: F401 (re-used by the suite)
+from tests.support.paths import REFERENCE_TARGET  # noqa: F401 (re-used by the suite)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -24,11 +24,11 @@ import hsstore
 from hsstore import CommitConflictError, StoreLocation
 from hsstore.commit import MANIFEST_NAME
 from hsstore.verify import verify_store
-from tests.factories import make_lineage, make_sample, make_specs
+from tests.support.paths import REPO_ROOT
+from tests.support.stores import make_lineage, make_sample, make_specs
 
 pytestmark = pytest.mark.reliability
 
-REPO = Path(__file__).resolve().parents[2]
 SAMPLES_PER_SHARD = 3
 
 
@@ -106,7 +106,7 @@ COMMITTER = textwrap.dedent(
 
 def test_racing_committer_processes_on_a_local_store_lose_nothing(tmp_path):
     url = str(tmp_path / "store")
-    script = COMMITTER.format(repo=str(REPO))
+    script = COMMITTER.format(repo=str(REPO_ROOT))
     processes = [
         subprocess.Popen([sys.executable, "-c", script, url, ",".join(map(str, plan))]) for plan in PLANS
     ]
@@ -143,7 +143,7 @@ def test_a_committer_killed_holding_the_lock_blocks_nobody(tmp_path):
     url = str(tmp_path / "store")
     write_and_commit(url, [0])
     holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER.format(repo=str(REPO)), url], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", HOLDER.format(repo=str(REPO_ROOT)), url], stdout=subprocess.PIPE, text=True
     )
     try:
         assert holder.stdout.readline().strip() == "locked"
@@ -173,7 +173,7 @@ def test_store_round_trip_contract_on_s3(s3_store, codec, compression):
     import numpy as np
     import torch
 
-    from tests.factories import write_store
+    from tests.support.stores import write_store
 
     url, options = s3_store
     samples = write_store(url, num_samples=10, shard_max_tokens=60, codec=codec, compression=compression, storage_options=options)

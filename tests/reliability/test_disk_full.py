@@ -16,8 +16,8 @@ import pytest
 import hsstore
 from hsstore import StoreLocation, StoreWriteError
 from hsstore.verify import verify_store
-from tests.factories import make_lineage, make_sample, make_specs
 from tests.reliability.conftest import expected_sample_ids, load_extract_recipe, write_text_records
+from tests.support.stores import make_lineage, make_sample, make_specs
 
 pytestmark = pytest.mark.reliability
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hsstore import HsstoreError
-from tests.factories import REFERENCE_TARGET
+from tests.support.paths import REFERENCE_TARGET
 
 pytestmark = pytest.mark.reliability
 

@@ -25,11 +25,11 @@ def store_sample_ids(url: str) -> list[str]:
 
 
 def test_workers_sigkilled_mid_shard_again_and_again_leave_an_exact_store(ray_session, tmp_path):
-    """The short version of benchmarks/load_extract_kill.py: 2 Ray actors on the reference target,
+    """The short version of tests/support/load_extract_kill.py: 2 Ray actors on the reference target,
     a busy one (inside ``run_unit``, i.e. writing a shard) SIGKILLed after every 2 commits. Ray
     restarts it and retries its unit into a fresh attempt folder; the committer keeps one record per
     shard id. (A single kill and a killed driver are tests/pipelines/extract/test_ray_and_crashes.py.)"""
-    from benchmarks.load_extract_kill import run_load
+    from tests.support.load_extract_kill import run_load
 
     data = write_text_records(tmp_path / "records.jsonl", 30)
     result = run_load(tmp_path, records=30, kill_every=2, max_length=64, unit_tokens=120, data_source=data, ray_started=True)

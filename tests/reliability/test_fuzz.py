@@ -21,7 +21,7 @@ import hsstore
 from hsstore import HsstoreError, StoreLocation
 from hsstore.verify import verify_store
 from pipelines.extract.records import ROLE_ALIASES, Record, Rejection, iter_records, parse_record
-from tests.factories import write_store
+from tests.support.stores import write_store
 
 pytestmark = pytest.mark.reliability
 

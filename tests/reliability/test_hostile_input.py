@@ -20,7 +20,8 @@ import hsstore
 from hsstore import ManifestError, RecipeError, ShardCorruptError, StoreLocation, StoreNotFoundError
 from hsstore.verify import verify_store
 from pipelines.extract.records import Record, Rejection, RejectReason, iter_records
-from tests.factories import REFERENCE_TARGET, make_lineage, make_sample, make_specs, write_store
+from tests.support.paths import REFERENCE_TARGET
+from tests.support.stores import make_lineage, make_sample, make_specs, write_store
 
 pytestmark = pytest.mark.reliability
 

@@ -14,16 +14,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.paths import REPO_ROOT
+
 pytestmark = pytest.mark.reliability
 
-REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("hsstore", "pipelines", "benchmarks")
 UNSAFE_MODULES = {"pickle", "cPickle", "_pickle", "cloudpickle", "dill", "joblib", "shelve", "marshal"}
 UNSAFE_LOADS = {"load", "loads", "Unpickler", "open", "load_compatible"}
 
 
 def sources() -> list[Path]:
-    files = [p for package in PACKAGES for p in sorted((REPO / package).rglob("*.py"))]
+    files = [p for package in PACKAGES for p in sorted((REPO_ROOT / package).rglob("*.py"))]
     assert len(files) > 30, files  # the check must actually see the code
     return files
 
@@ -44,7 +45,7 @@ def is_true(node: ast.expr | None) -> bool:
     return isinstance(node, ast.Constant) and node.value is True
 
 
-def findings(path: Path, root: Path = REPO) -> list[str]:
+def findings(path: Path, root: Path = REPO_ROOT) -> list[str]:
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     where = path.relative_to(root)
     out: list[str] = []

@@ -8,17 +8,16 @@ import json
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 import hsstore
 from hsstore import StoreLocation
 from hsstore.verify import verify_store
+from tests.support.paths import REPO_ROOT
 
 pytestmark = pytest.mark.reliability
 
-REPO = Path(__file__).resolve().parents[2]
 NUM_UNITS = 14
 PER_UNIT = 4
 
@@ -27,7 +26,7 @@ WRITER = textwrap.dedent(
     import sys, time
     sys.path.insert(0, {repo!r})
     import hsstore
-    from tests.factories import make_lineage, make_sample, make_specs
+    from tests.support.stores import make_lineage, make_sample, make_specs
     url = sys.argv[1]
     specs, lineage = make_specs(), make_lineage()
     hsstore.ensure_store(url, features=specs, lineage=lineage)
@@ -47,7 +46,7 @@ READER = textwrap.dedent(
     sys.path.insert(0, {repo!r})
     import numpy as np
     import hsstore
-    from tests.factories import make_sample
+    from tests.support.stores import make_sample
     url, deadline = sys.argv[1], time.monotonic() + 120
     generations, problems, samples_read, last_shards = [], [], 0, set()
     while time.monotonic() < deadline:
@@ -80,14 +79,14 @@ READER = textwrap.dedent(
 def test_readers_see_only_committed_complete_shards_while_a_writer_commits(tmp_path):
     url = str(tmp_path / "store")
     writer = subprocess.Popen(
-        [sys.executable, "-c", WRITER.format(repo=str(REPO), units=NUM_UNITS, per=PER_UNIT), url],
+        [sys.executable, "-c", WRITER.format(repo=str(REPO_ROOT), units=NUM_UNITS, per=PER_UNIT), url],
         stdout=subprocess.PIPE,
         text=True,
     )
     assert writer.stdout.readline().strip() == "ready"
     readers = [
         subprocess.Popen(
-            [sys.executable, "-c", READER.format(repo=str(REPO), units=NUM_UNITS), url],
+            [sys.executable, "-c", READER.format(repo=str(REPO_ROOT), units=NUM_UNITS), url],
             stdout=subprocess.PIPE,
             text=True,
         )

@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -23,10 +22,10 @@ from tests.reliability.conftest import (
     extract_overrides,
     write_text_records,
 )
+from tests.support.paths import REPO_ROOT
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_two_share_nothing_writers_fill_one_s3_store_then_train_reads_it(s3_store, s3_endpoint, tmp_path):

@@ -16,7 +16,7 @@ import pytest
 import hsstore
 from hsstore import ShardCorruptError
 from hsstore.loader import StreamingLoader
-from tests.factories import write_store
+from tests.support.stores import write_store
 
 pytestmark = pytest.mark.reliability
 

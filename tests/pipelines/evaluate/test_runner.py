@@ -18,8 +18,7 @@ from pipelines.evaluate.target import TargetModel
 from pipelines.models.checkpoint import save_draft
 from pipelines.recipe import build_recipe, load_recipe
 from tests.pipelines.evaluate.helpers import random_draft
-
-REPO_ROOT = Path(__file__).resolve().parents[3]
+from tests.support.paths import REPO_ROOT
 
 
 def recipe_dict(**overrides: object) -> dict:

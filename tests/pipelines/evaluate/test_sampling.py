@@ -20,6 +20,7 @@ from pipelines.evaluate.target import TargetModel
 from pipelines.evaluate.tree import DraftTree
 from pipelines.models.eagle3 import Eagle3Config, Eagle3Draft
 from tests.pipelines.evaluate.helpers import chi_square_pvalue
+from tests.support.models import tiny_qwen3
 
 ALPHA = 1e-3
 
@@ -112,23 +113,7 @@ def test_tree_walk_emits_the_target_distribution() -> None:
 
 def tiny_target(seed: int) -> TargetModel:
     """A 2-layer Qwen3 with an 8-token vocabulary and peaked next-token distributions."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=8,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=64,
-        eos_token_id=None,
-        pad_token_id=None,
-        bos_token_id=None,
-    )
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model = tiny_qwen3(seed, vocab_size=8, eos_token_id=None, pad_token_id=None, bos_token_id=None)
     with torch.no_grad():
         model.lm_head.weight.mul_(40)  # random init is near-uniform; make the choices matter
     return TargetModel(model, [0, 1])

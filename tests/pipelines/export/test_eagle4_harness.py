@@ -21,7 +21,8 @@ from pipelines.export.serving import export_draft
 from pipelines.models.checkpoint import save_draft
 from pipelines.train.candidate import attach_candidate_head
 from tests.pipelines.export.test_export import exported_tensors
-from tests.pipelines.models.helpers import random_inputs, tiny_draft
+from tests.pipelines.models.helpers import random_inputs
+from tests.support.models import tiny_draft
 
 V, H, RANK, WINDOW = 256, 64, 8, 16
 TOP_LEVEL = ("lm_head.", "efficient_lm_head.", "efficient_lm_head_down_proj.")

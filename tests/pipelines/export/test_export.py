@@ -15,7 +15,8 @@ from pipelines.cli import main as hsstore_main
 from pipelines.export.serving import ExportError, export_draft
 from pipelines.models.checkpoint import DraftCheckpointError, load_draft, save_draft
 from pipelines.train.candidate import attach_candidate_head
-from tests.pipelines.models.helpers import random_inputs, tiny_draft
+from tests.pipelines.models.helpers import random_inputs
+from tests.support.models import tiny_draft
 
 H, V, V_DRAFT, HEADS, KV_HEADS, HEAD_DIM, MLP = 64, 256, 96, 4, 2, 16, 96
 

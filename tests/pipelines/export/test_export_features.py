@@ -18,7 +18,7 @@ from pipelines.export.peer_layouts import (
     speculators_sample_path,
 )
 from pipelines.train.target_heads import load_target_heads
-from tests.factories import write_store
+from tests.support.stores import write_store
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -20,7 +20,8 @@ from pipelines.export.serving import ExportError, export_draft
 from pipelines.models.checkpoint import load_draft, save_draft
 from pipelines.models.eagle3 import Eagle3Config, Eagle3Draft
 from pipelines.train.ttt import shift_left, ttt_unroll
-from tests.factories import REFERENCE_TARGET
+from tests.support.models import build_draft
+from tests.support.paths import REFERENCE_TARGET
 
 AUX_IDS = [1, 4, 6]  # speculators' default for the 8-layer reference target is [2, 4, 5]
 TTT_STEPS = 3
@@ -40,23 +41,13 @@ def speculators_model_class():
 def reference_draft(seed: int = 0, **overrides) -> Eagle3Draft:
     """A random draft shaped for the reference target (speculators checks its width against the
     verifier's), with non-unit norms so that a dropped or swapped norm shows."""
-    torch.manual_seed(seed)
     config = Eagle3Config.from_target_config(
         AutoConfig.from_pretrained(REFERENCE_TARGET),
         aux_layer_ids=AUX_IDS,
         draft_vocab_size=2000,
         **overrides,
     )
-    draft = Eagle3Draft(config)
-    target_ids = torch.randperm(config.vocab_size)[: config.draft_vocab_size].sort().values
-    t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
-    t2d[target_ids] = True
-    draft.set_vocab_mapping(target_ids - torch.arange(config.draft_vocab_size), t2d)
-    with torch.no_grad():
-        for name, param in draft.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-    return draft
+    return build_draft(config, seed)
 
 
 def speculators_logits(model, aux_BTKH, ids_BT, pos_BT, docs_BT) -> list[torch.Tensor]:

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from tests.factories import REFERENCE_TARGET
+from tests.support import models
+from tests.support.paths import REFERENCE_TARGET
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -18,7 +19,7 @@ def build_tiny_target(directory: Path, architecture: str, seed: int = 0) -> Path
     """A random 3-layer, hidden-64 model of ``architecture`` saved as a real model directory,
     with the reference target's tokenizer and chat template (vocab 8192 matches it)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     common: dict[str, Any] = dict(
         vocab_size=8192,
@@ -32,12 +33,14 @@ def build_tiny_target(directory: Path, architecture: str, seed: int = 0) -> Path
         eos_token_id=2,
         tie_word_embeddings=False,
     )
-    config = Qwen3Config(head_dim=16, **common) if architecture == "qwen3" else LlamaConfig(**common)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random init gives tiny hidden states; scale the embeddings so that values exercise bf16.
-    with torch.no_grad():
-        model.get_input_embeddings().weight.mul_(20.0)
+    if architecture == "qwen3":
+        model = models.tiny_qwen3(seed, embed_scale=20.0, head_dim=16, **common)
+    else:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**common), dtype=torch.float32)
+        with torch.no_grad():
+            model.get_input_embeddings().weight.mul_(20.0)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     for name in TOKENIZER_FILES:

@@ -15,7 +15,6 @@ from pipelines.extract import run_extraction
 from pipelines.extract.records import Record
 from pipelines.extract.target import load_target
 from pipelines.extract.tokenizer_pool import make_sample_tokenizer
-from tests.factories import REFERENCE_TARGET, REPO_ROOT
 from tests.pipelines.extract.conftest import MIXED_RECORDS, write_jsonl
 from tests.pipelines.extract.helpers import (
     as_array,
@@ -25,6 +24,7 @@ from tests.pipelines.extract.helpers import (
     relative_error,
     stored_samples,
 )
+from tests.support.paths import REFERENCE_TARGET, REPO_ROOT
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_llama"])

@@ -11,6 +11,7 @@ import torch
 from pipelines.extract.batching import Batch, collate
 from pipelines.extract.capture import HiddenStateCapture
 from pipelines.extract.placement import move_to, split_across_devices
+from tests.support.models import tiny_qwen3
 
 
 def batch_features(model: torch.nn.Module, output_device: str, topk: bool = False) -> dict[str, torch.Tensor]:
@@ -34,15 +35,8 @@ def test_move_to_reaches_nested_tensors() -> None:
 
 def tiny_qwen3_model() -> torch.nn.Module:
     """A random 4-layer Qwen3 in memory (no files: the GPU box runs this without the repo's models)."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    config = Qwen3Config(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-    with torch.no_grad():
-        model.get_input_embeddings().weight.mul_(20.0)
-    return model.eval()
+    return tiny_qwen3(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=4, head_dim=16,
+                      max_position_embeddings=40960, tie_word_embeddings=False, embed_scale=20.0)
 
 
 def test_split_over_two_host_devices_changes_nothing() -> None:

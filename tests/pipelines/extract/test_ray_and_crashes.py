@@ -16,9 +16,9 @@ import pytest
 
 import hsstore
 from pipelines.extract import run_extraction
-from tests.factories import REPO_ROOT
 from tests.pipelines.extract.conftest import MIXED_RECORDS, write_jsonl
 from tests.pipelines.extract.helpers import as_array, make_recipe, stored_samples
+from tests.support.paths import REPO_ROOT
 
 
 def many_records(count: int) -> list[dict[str, Any]]:

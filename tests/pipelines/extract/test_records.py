@@ -12,9 +12,9 @@ import pytest
 from pipelines.extract.errors import RecordSourceError
 from pipelines.extract.records import Record, Rejection, RejectReason, iter_records
 from pipelines.extract.tokenize import SampleTokenizer
-from tests.factories import REFERENCE_TARGET
 from tests.pipelines.extract.conftest import write_jsonl
 from tests.pipelines.extract.helpers import make_recipe, plan_recipe
+from tests.support.paths import REFERENCE_TARGET
 
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
 

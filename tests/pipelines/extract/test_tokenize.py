@@ -9,7 +9,7 @@ import pytest
 
 from pipelines.extract.records import Record
 from pipelines.extract.tokenize import SampleTokenizer, TokenizedSample, has_generation_markers
-from tests.factories import REFERENCE_TARGET
+from tests.support.paths import REFERENCE_TARGET
 
 CONVERSATION = (
     {"role": "system", "content": "You write Python."},

@@ -23,7 +23,7 @@ from pipelines.generate.driver import run_generation
 from pipelines.generate.manifest import GenerationError, expand_generated_data, read_manifest
 from pipelines.generate.recipe import GenerateRecipe
 from pipelines.recipe import build_recipe
-from tests.factories import REPO_ROOT, TRAIN_SLICE
+from tests.support.paths import REPO_ROOT, TRAIN_SLICE
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ from pipelines.generate.source_prompts import (
     main,
     read_reserved,
 )
-from tests.factories import SHARED_DATA
+from tests.support.paths import SHARED_DATA
 
 CODE = "".join(f"def function_{i}(value):\n    return value * {i} + {i % 7}\n\n\n" for i in range(40))
 

@@ -15,7 +15,8 @@ from pipelines.models.checkpoint import (
     save_draft,
 )
 from pipelines.models.eagle3 import Eagle3Draft
-from tests.pipelines.models.helpers import random_inputs, tiny_config, tiny_draft
+from tests.pipelines.models.helpers import random_inputs
+from tests.support.models import tiny_draft, tiny_draft_config
 
 
 def logits_of(draft: Eagle3Draft) -> torch.Tensor:
@@ -106,7 +107,7 @@ def test_init_from_is_strict_about_shapes_and_names(tmp_path):
 
 
 def test_config_carries_candidate_fields(tmp_path):
-    draft = Eagle3Draft(tiny_config(candidate_rank=8, num_candidates=16))
+    draft = Eagle3Draft(tiny_draft_config(candidate_rank=8, num_candidates=16))
     save_draft(draft, tmp_path)
     loaded = load_draft(tmp_path)
     assert loaded.candidate_head is not None

@@ -10,8 +10,9 @@ from transformers import AutoConfig, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from pipelines.models.eagle3 import Eagle3Config, Eagle3Draft, rope_inv_freq
-from tests.factories import REFERENCE_TARGET
-from tests.pipelines.models.helpers import random_inputs, tiny_config, tiny_draft
+from tests.pipelines.models.helpers import random_inputs
+from tests.support.models import tiny_draft, tiny_draft_config
+from tests.support.paths import REFERENCE_TARGET
 
 
 def test_config_from_the_reference_target():
@@ -32,13 +33,13 @@ def test_config_from_the_reference_target():
 
 def test_config_refuses_inconsistent_shapes():
     with pytest.raises(ValueError, match="not a multiple of num_key_value_heads"):
-        tiny_config(num_attention_heads=4, num_key_value_heads=3)
+        tiny_draft_config(num_attention_heads=4, num_key_value_heads=3)
     with pytest.raises(ValueError, match="draft_vocab_size=300 exceeds the target vocab_size=256"):
-        tiny_config(draft_vocab_size=300)
+        tiny_draft_config(draft_vocab_size=300)
     with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
-        tiny_config(rope_scaling={"rope_type": "yarn", "factor": 4.0})
+        tiny_draft_config(rope_scaling={"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(ValueError, match="Extra inputs are not permitted"):
-        tiny_config(num_layers=2)
+        tiny_draft_config(num_layers=2)
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.factories import REFERENCE_TARGET
+from tests.support.paths import REFERENCE_TARGET
 
 
 def tiny_train_base(store: str, **extra: Any) -> dict[str, Any]:

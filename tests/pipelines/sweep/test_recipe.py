@@ -9,8 +9,8 @@ import yaml
 
 from hsstore.errors import RecipeError
 from pipelines.sweep import SweepRecipe, expand, load_sweep_recipe, parse_grid_args, point_name
-from tests.factories import REPO_ROOT as REPO
 from tests.pipelines.sweep.helpers import tiny_train_base
+from tests.support.paths import REPO_ROOT as REPO
 
 
 def sweep(tmp_path: Path, **fields) -> SweepRecipe:

@@ -17,8 +17,8 @@ import yaml
 from hsstore.errors import RecipeError
 from pipelines.cli import main as cli_main
 from pipelines.sweep import expand, load_sweep_recipe, run_sweep
-from tests.factories import REPO_ROOT as REPO
 from tests.pipelines.sweep.helpers import tiny_train_base
+from tests.support.paths import REPO_ROOT as REPO
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -16,7 +16,7 @@ import pytest
 import hsstore
 from hsstore.errors import AuxLayerError
 from pipelines.train import run_training
-from tests.factories import REFERENCE_TARGET
+from tests.support.paths import REFERENCE_TARGET
 
 from .test_trainer import small_recipe
 

@@ -7,7 +7,8 @@ import torch
 
 from pipelines.train.candidate import attach_candidate_head, candidate_step_loss, svd_factors
 from pipelines.train.ttt import doc_remaining_from_ids, ttt_step_masks, ttt_unroll
-from tests.pipelines.models.helpers import random_inputs, tiny_draft
+from tests.pipelines.models.helpers import random_inputs
+from tests.support.models import tiny_draft
 
 
 def unrolled(draft, length=24, ttt_length=3):

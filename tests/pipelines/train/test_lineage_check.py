@@ -11,7 +11,9 @@ import pytest
 import hsstore
 from hsstore.errors import LineageMismatchError
 from pipelines.train.lineage_check import check_lineage, choose_teacher
-from tests.factories import REFERENCE_TARGET, reference_lineage
+from tests.support.models import tiny_qwen3
+from tests.support.paths import REFERENCE_TARGET
+from tests.support.stores import reference_lineage
 
 
 def write_store(url: Path, lineage: hsstore.Lineage, num_aux: int = 3, hidden: int = 384) -> hsstore.Store:
@@ -75,14 +77,8 @@ def test_other_aux_layers_are_refused(tmp_path: Path, good_lineage: hsstore.Line
 def test_another_target_is_refused(tmp_path: Path, good_lineage: hsstore.Lineage) -> None:
     import json
 
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-    )
     other_dir = tmp_path / "other-target"
-    Qwen3ForCausalLM(config).save_pretrained(other_dir)
+    tiny_qwen3(vocab_size=8192, num_attention_heads=2, num_key_value_heads=1, head_dim=16).save_pretrained(other_dir)
     store = write_store(tmp_path / "store", good_lineage)
     with pytest.raises(
         LineageMismatchError, match=r"'target.num_hidden_layers' is 8 in the store but 2 .*extracted from another model"

@@ -12,11 +12,11 @@ import torch
 
 from pipelines.train.distributed import Distributed, all_reduce_, wrap_ddp
 from pipelines.train.objective import DraftObjective, objective_loss
-from tests.pipelines.train.test_ttt import packed_batch, tiny_draft
+from tests.pipelines.train.test_ttt import packed_batch, ttt_draft
 
 
 def _inputs():
-    draft = tiny_draft()
+    draft = ttt_draft()
     aux, ids, pos, loss_mask, teacher, valid, docs = packed_batch(draft, [[9, 5], [3, 11]], seed=3)
     # The dense-probabilities teacher mode reads the distribution from the batch's features.
     draft_probs = teacher * valid[..., None]

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from pipelines.train.target_heads import TargetWeightsError, load_target_heads
-from tests.factories import REFERENCE_TARGET
+from tests.support.models import tiny_qwen3
+from tests.support.paths import REFERENCE_TARGET
 
 
 @pytest.fixture(scope="module")
@@ -68,14 +69,7 @@ def test_stack_shard_is_never_read(tmp_path: Path) -> None:
 
 
 def test_tied_single_file_target(tmp_path: Path) -> None:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).eval()
+    model = tiny_qwen3(vocab_size=96, tie_word_embeddings=True)
     model.save_pretrained(tmp_path / "tied")
     assert (tmp_path / "tied" / "model.safetensors").exists()
     heads = load_target_heads(tmp_path / "tied")

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from pipelines.train import TrainRecipe, run_training
-from tests.factories import REFERENCE_TARGET
+from tests.support.paths import REFERENCE_TARGET, REPO_ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -173,7 +173,7 @@ def test_cli_runs_the_shipped_recipe_and_resumes(
 ) -> None:
     from pipelines.cli import main
 
-    recipe = Path(__file__).resolve().parents[3] / "recipes" / "reference" / "train-eagle3.yaml"
+    recipe = REPO_ROOT / "recipes" / "reference" / "train-eagle3.yaml"
     common = [
         "train", str(recipe), "--set", f"store={reference_store}", "--set", f"target={REFERENCE_TARGET}",
         "--set", f"output_dir={tmp_path / 'cli'}", "--set", "device=cpu", "--set", "loader.token_budget=256",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 
@@ -11,8 +10,8 @@ from hsstore.errors import RecipeError
 from pipelines.recipe import build_recipe, load_recipe
 from pipelines.train.config import TrainRecipe
 from pipelines.train.trainer import lr_at
+from tests.support.paths import REPO_ROOT
 
-REPO = Path(__file__).resolve().parents[3]
 BASE = {"store": "s", "target": "t", "output_dir": "o"}
 
 
@@ -26,7 +25,7 @@ BASE = {"store": "s", "target": "t", "output_dir": "o"}
     ],
 )
 def test_shipped_recipes_load(path: str) -> None:
-    recipe = load_recipe(TrainRecipe, REPO / path, ["max_steps=5"])
+    recipe = load_recipe(TrainRecipe, REPO_ROOT / path, ["max_steps=5"])
     assert recipe.max_steps == 5 and recipe.ttt_length == 7
     if recipe.model == "eagle4" and recipe.stage == "draft":
         assert recipe.draft.sliding_window is not None

@@ -14,10 +14,12 @@ import torch
 
 from pipelines.models.eagle3 import Eagle3Config, Eagle3Draft
 from pipelines.train.ttt import doc_remaining_from_ids, ttt_forward, ttt_unroll
+from tests.support.models import build_draft
 
 
-def tiny_draft(sliding_window: int | None = None, seed: int = 0, **overrides) -> Eagle3Draft:
-    torch.manual_seed(seed)
+def ttt_draft(sliding_window: int | None = None, seed: int = 0, **overrides) -> Eagle3Draft:
+    """A float64 draft small enough for the slow reference, with non-unit norms so that a swapped
+    norm is caught (no vocabulary mapping: the reference scores target ids as they are)."""
     config = Eagle3Config(
         hidden_size=32,
         num_attention_heads=4,
@@ -32,12 +34,7 @@ def tiny_draft(sliding_window: int | None = None, seed: int = 0, **overrides) ->
         rope_theta=500.0,
         **overrides,
     )
-    draft = Eagle3Draft(config).double()
-    with torch.no_grad():  # non-trivial norm weights so that a swapped norm is caught
-        for name, p in draft.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name or name.startswith("fc_norm."):
-                p.uniform_(0.5, 1.5)
-    return draft
+    return build_draft(config, seed, vocab_mapping=False, dtype=torch.float64)
 
 
 # ---- the reference ---------------------------------------------------------------------------
@@ -205,7 +202,7 @@ def packed_batch(draft: Eagle3Draft, doc_lengths: list[list[int]], seed: int = 1
     ],
 )
 def test_ttt_equals_step_by_step_reference(window, doc_lengths, ttt_length, options):
-    draft = tiny_draft(window, **options)
+    draft = ttt_draft(window, **options)
     aux, ids, pos, loss_mask, teacher, valid, docs = packed_batch(draft, doc_lengths)
     out = ttt_forward(draft, aux, ids, pos, loss_mask, teacher, valid, docs, ttt_length=ttt_length)
     total, losses, counts, correct, hidden_ref = reference_ttt(
@@ -231,7 +228,7 @@ def test_ttt_equals_step_by_step_reference(window, doc_lengths, ttt_length, opti
 
 
 def test_documents_do_not_see_each_other():
-    draft = tiny_draft()
+    draft = ttt_draft()
     aux, ids, pos, _, _, _, docs = packed_batch(draft, [[6, 7]])
     first = ttt_unroll(draft, aux, ids, pos, docs, ttt_length=3)
     aux2, ids2 = aux.clone(), ids.clone()
@@ -246,7 +243,7 @@ def test_documents_do_not_see_each_other():
 
 
 def test_single_document_counts_shift_by_one_per_step():
-    draft = tiny_draft()
+    draft = ttt_draft()
     T = 10
     aux, ids, pos, _, teacher, _, docs = packed_batch(draft, [[T]])
     ones = torch.ones(1, T, dtype=torch.bool)
@@ -257,7 +254,7 @@ def test_single_document_counts_shift_by_one_per_step():
 
 
 def test_loss_mask_and_teacher_validity_shift_with_depth():
-    draft = tiny_draft()
+    draft = ttt_draft()
     T = 9
     aux, ids, pos, _, teacher, _, docs = packed_batch(draft, [[T]])
     loss_mask = torch.zeros(1, T, dtype=torch.bool)
@@ -278,7 +275,7 @@ def test_doc_remaining_from_ids():
 
 
 def test_window_shorter_than_unroll_is_refused():
-    draft = tiny_draft(sliding_window=2)
+    draft = ttt_draft(sliding_window=2)
     aux, ids, pos, loss_mask, teacher, valid, docs = packed_batch(draft, [[6]])
     with pytest.raises(ValueError, match="sliding_window=2 is shorter than ttt_length=3"):
         ttt_forward(draft, aux, ids, pos, loss_mask, teacher, valid, docs, ttt_length=3)

@@ -18,7 +18,7 @@ from pipelines.train.vocab import (
     read_vocab_file,
     write_vocab_file,
 )
-from tests.pipelines.models.helpers import tiny_draft
+from tests.support.models import tiny_draft
 
 
 def test_calibration_keeps_the_most_frequent_ids_sorted_with_ties_to_the_lower_id():

@@ -13,9 +13,9 @@ each kill's time, the pid killed, and the time until the next commit (recovery);
 
 Usage (from the repository root; not run in CI, the suite runs a short version of it)::
 
-    python benchmarks/load_extract_kill.py                       # ~2000 records, a kill every 8 units
-    python benchmarks/load_extract_kill.py --records 400 --kill-every 4 --out /tmp/load.json
-    python benchmarks/load_extract_kill.py --no-kill             # the same run undisturbed, to compare
+    python -m tests.support.load_extract_kill                       # ~2000 records, a kill every 8 units
+    python -m tests.support.load_extract_kill --records 400 --kill-every 4 --out /tmp/load.json
+    python -m tests.support.load_extract_kill --no-kill             # the same run undisturbed, to compare
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-REFERENCE_TARGET = REPO / "examples" / "reference-target"
-SHARED_TRAIN = REPO.parent / "shared" / "data" / "draft_train.jsonl"
+from tests.support.paths import REFERENCE_TARGET, SHARED_DATA
+
+SHARED_TRAIN = SHARED_DATA / "draft_train.jsonl"
 
 
 def replicate_records(source: Path, target: Path, num_records: int) -> Path:

@@ -1,7 +1,5 @@
-"""The one place tests find the repository's fixtures on disk and build stores.
+"""The one place tests build stores (paths live in :mod:`tests.support.paths`).
 
-- paths: the repository, the in-repo reference target, the bundled data (and ../shared/data where a
-  development machine has it);
 - synthetic stores (:func:`write_store`): random features written through the public writer, for
   store, loader and fault tests;
 - stores of real features (:func:`extract_reference_store`): the reference target through the
@@ -19,16 +17,7 @@ import numpy as np
 
 import hsstore
 from hsstore import FeatureSpec, Lineage
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-REFERENCE_TARGET = REPO_ROOT / "examples" / "reference-target"
-EXAMPLES_DATA = REPO_ROOT / "examples" / "data"
-TRAIN_SLICE = EXAMPLES_DATA / "draft_train_slice.jsonl"
-SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
-# The training records: the full set on development machines, the bundled slice on a fresh clone.
-TRAIN_DATA = SHARED_DATA / "draft_train.jsonl" if (SHARED_DATA / "draft_train.jsonl").exists() else TRAIN_SLICE
-REFERENCE_AUX_LAYER_IDS = [2, 4, 5]  # [2, L//2, L-3] for the 8-layer reference target
-
+from tests.support.paths import REFERENCE_AUX_LAYER_IDS, REFERENCE_TARGET
 
 # -- synthetic stores -----------------------------------------------------------------------------
 

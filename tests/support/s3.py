@@ -1,4 +1,6 @@
-"""moto's S3 server on loopback, in its own process, counting the HTTP requests it serves.
+"""The one S3 endpoint of the tests and benchmarks: moto's S3 server on loopback, in its own
+process, counting the HTTP requests it serves (tests/conftest.py's ``s3_server`` fixture is one
+per session).
 
 The object-store benchmark and tests need an S3-compatible endpoint (no network here) and the number
 of requests a loader really sends. moto's ``ThreadedMotoServer`` runs in the caller's process and
@@ -36,7 +38,10 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
+
+from tests.support.paths import REPO_ROOT
 
 COUNTS_PATH = "/__hsstore_requests"
 FREEZE_PATH = "/__hsstore_freeze"  # POST ?processes=N: fork into N read-only server processes
@@ -92,7 +97,7 @@ class _Counting:
             return _answer(
                 start_response, "405 Method Not Allowed",
                 f"{method} refused: this moto endpoint was frozen into several read-only processes "
-                "(benchmarks/moto_s3.py, MotoS3.freeze); each holds its own copy of the objects, so a "
+                "(tests/support/s3.py, MotoS3.freeze); each holds its own copy of the objects, so a "
                 "write would reach one of them only. Write everything before freeze().",
             )
         self.add(**{method if method in COUNTED else "other": 1}, GET_ranged=int("HTTP_RANGE" in environ))
@@ -238,7 +243,7 @@ class MotoS3:
             # offsets the forked processes would share.
             env["MOTO_S3_DEFAULT_KEY_BUFFER_SIZE"] = str(1 << 50)
         self.process = subprocess.Popen(
-            [sys.executable, "-c", f"import benchmarks.moto_s3 as m; m.serve({self.port}, {self.fast_ranges}, {self.latency_ms})"],
+            [sys.executable, "-c", f"import tests.support.s3 as m; m.serve({self.port}, {self.fast_ranges}, {self.latency_ms})"],
             stdout=subprocess.PIPE,
             text=True,
             env=env,
@@ -308,4 +313,15 @@ class MotoS3:
 
 
 def _repo_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return str(REPO_ROOT)
+
+
+def upload(local: Path | str, url: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Copy a local folder (a store) to ``s3://bucket/prefix``, creating the bucket if needed."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**(storage_options or {}))
+    bucket = url.removeprefix("s3://").split("/", 1)[0]
+    if not fs.exists(bucket):
+        fs.mkdir(bucket)
+    fs.put(str(local), url.removeprefix("s3://"), recursive=True)

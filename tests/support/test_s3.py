@@ -1,4 +1,4 @@
-"""benchmarks/moto_s3.py's frozen endpoint: a store written to one moto process, then served by
+"""tests/support/s3.py's frozen endpoint: a store written to one moto process, then served by
 several forked read-only processes, reads back exactly; the requests of all of them are counted
 together; and a write after the freeze is refused with a message that says why."""
 
@@ -14,7 +14,7 @@ import pytest
 
 import hsstore
 from hsstore import FeatureSpec
-from tests.factories import make_lineage, make_sample
+from tests.support.stores import make_lineage, make_sample
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
@@ -32,8 +32,7 @@ def test_a_frozen_endpoint_of_three_processes_serves_the_store_and_counts_every_
 ) -> None:
     import s3fs
 
-    from benchmarks.bench_object_store import upload
-    from benchmarks.moto_s3 import MotoS3
+    from tests.support.s3 import MotoS3, upload
 
     local = tmp_path / "store"
     specs = [FeatureSpec(name="aux_hidden_states", shape=(3, 16), chunk_tokens=16), FeatureSpec(name="final_hidden_state", shape=(16,), chunk_tokens=16)]
@@ -89,7 +88,7 @@ def test_an_added_latency_delays_each_request_and_requests_on_other_connections_
     import urllib.request
     from concurrent.futures import ThreadPoolExecutor
 
-    from benchmarks.moto_s3 import MotoS3
+    from tests.support.s3 import MotoS3
 
     with MotoS3(latency_ms=200) as s3:
         def head_bucket_list() -> float:
