@@ -35,4 +35,4 @@ demo: install
 	hsstore demo
 
 bench-store:
-	$(PYTHON) benchmarks/bench_store.py
+	$(PYTHON) -m benchmarks.bench_store

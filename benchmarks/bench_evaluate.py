@@ -9,19 +9,18 @@ bf16 (the CUDA default) a near-tie argmax can flip in the tree forward's differe
 
 CPU (small config, ~minutes on 2 cores)::
 
-    python benchmarks/bench_evaluate.py --draft runs/reference-eagle3/checkpoints/final \
+    python -m benchmarks.bench_evaluate --draft runs/reference-eagle3/checkpoints/final \
         --out benchmarks/results/evaluate-cpu.json
 
 CUDA (the default config there: 100 prompts, 256 new tokens, bf16)::
 
-    python benchmarks/bench_evaluate.py --draft runs/reference-eagle3/checkpoints/final \
+    python -m benchmarks.bench_evaluate --draft runs/reference-eagle3/checkpoints/final \
         --device cuda --out benchmarks/results/evaluate-h200.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import tempfile
@@ -29,8 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+from benchmarks.common import REPO_ROOT, write_results
 
 CHAINS = (3, 5, 7)
 TREES = ((8, 5, 31), (10, 7, 60))
@@ -165,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(results))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
+        write_results(args.out, results)
     return 0
 
 

@@ -17,9 +17,9 @@ Qwen3-8B shape: 36 layers, hidden 4096, vocab 151936, random bf16 weights built 
 needs a GPU), ``small`` (a 4-layer hidden-256 Qwen3 shape, for a CPU smoke run).
 
     # GPU (the lent H200):
-    python benchmarks/bench_extract.py --models reference,qwen3-8b --out bench_extract.json
+    python -m benchmarks.bench_extract --models reference,qwen3-8b --out bench_extract.json
     # CPU smoke:
-    python benchmarks/bench_extract.py --models small --device cpu --tokens 8192 --out /tmp/b.json
+    python -m benchmarks.bench_extract --models small --device cpu --tokens 8192 --out /tmp/b.json
 
 Prints a markdown table; ``--out`` gets the numbers as JSON.
 """
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import shutil
 import statistics
 import sys
@@ -40,19 +39,17 @@ from typing import Any
 import numpy as np
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-
-from hsstore import FeatureSpec, Lineage, commit_shards  # noqa: E402
-from hsstore.aux_layers import default_aux_layer_ids  # noqa: E402
-from pipelines.extract.batching import collate, padding_waste, plan_batches  # noqa: E402
-from pipelines.extract.executors import LocalExecutor  # noqa: E402
-from pipelines.extract.recipe import UnitsSection  # noqa: E402
-from pipelines.extract.target import load_target  # noqa: E402
-from pipelines.extract.tokenize import TokenizedSample  # noqa: E402
-from pipelines.extract.units import cut_into_units  # noqa: E402
-from pipelines.extract.worker import ExtractionWorker  # noqa: E402
-from pipelines.extract.worker_spec import WorkerSpec  # noqa: E402
+from benchmarks.common import REPO_ROOT, machine_info, run_modes, write_results
+from hsstore import FeatureSpec, Lineage, commit_shards
+from hsstore.aux_layers import default_aux_layer_ids
+from pipelines.extract.batching import collate, padding_waste, plan_batches
+from pipelines.extract.executors import LocalExecutor
+from pipelines.extract.recipe import UnitsSection
+from pipelines.extract.target import load_target
+from pipelines.extract.tokenize import TokenizedSample
+from pipelines.extract.units import cut_into_units
+from pipelines.extract.worker import ExtractionWorker
+from pipelines.extract.worker_spec import WorkerSpec
 
 QWEN3_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-8b": dict(
@@ -398,7 +395,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def extract_vs_forward(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="reference,qwen3-8b", help="comma list of reference, qwen3-8b, small")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -433,8 +430,21 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(bench_model(name, args, device))
     print(markdown(rows))
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "torch": torch.__version__, "results": rows}, indent=2))
+        write_results(args.out, {"args": vars(args), "machine": machine_info(), "results": rows})
     return 0
+
+
+# Modes: ``python -m benchmarks.bench_extract MODE --help``; without a mode, :func:`extract_vs_forward` runs.
+MODES = {
+    "ray": "benchmarks.extract.through_ray",
+    "ray-report": "benchmarks.extract.ray_report",
+    "dry-run-memory": "benchmarks.extract.dry_run_memory",
+    "trace": "benchmarks.extract.trace_head",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_modes(argv, extract_vs_forward, MODES, prog="python -m benchmarks.bench_extract")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ Two measurements, one run:
    S3 in a fresh process: from ``open_store`` to the first batch in hand (imports excluded), then
    again with the cache filled (a resumed run on the same node).
 
-Usage: ``python benchmarks/bench_object_store.py [--quick] [--out results.json]``.
+Usage: ``python -m benchmarks.bench_object_store [--quick] [--out results.json]``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -39,16 +38,13 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-import hsstore  # noqa: E402
-from hsstore import FeatureSpec, Lineage  # noqa: E402
-from hsstore.read_cache import ReadCache  # noqa: E402
-from hsstore.storage.s3_reads import ENV_VAR as RANGE_READER_ENV  # noqa: E402
-from hsstore.storage.s3_reads import ObstoreRangeReader  # noqa: E402
-from tests.support.s3 import MotoS3, upload  # noqa: E402
+import hsstore
+from benchmarks.common import REPO_ROOT, machine_info, run_modes, write_results
+from hsstore import FeatureSpec, Lineage
+from hsstore.read_cache import ReadCache
+from hsstore.storage.s3_reads import ENV_VAR as RANGE_READER_ENV
+from hsstore.storage.s3_reads import ObstoreRangeReader
+from tests.support.s3 import MotoS3, upload
 
 FEATURES = ["aux_hidden_states", "final_hidden_state"]
 NUM_AUX = 3
@@ -154,8 +150,7 @@ def replay(fs: Any, ranges: list[tuple[str, int, int]], threads: int, read: Any 
 
 
 TTFB_CHILD = r"""
-import json, sys, time
-sys.path.insert(0, {repo!r})
+import json, time
 import hsstore
 from hsstore.read_cache import ReadCache
 cache = ReadCache({cache!r}, 1 << 30) if {cache!r} else None
@@ -172,9 +167,10 @@ print(json.dumps({{"open_and_plan_s": opened - started, "first_batch_s": done - 
 
 def time_to_first_batch(s3: MotoS3, url: str, budget: int, cache_dir: str | None) -> dict[str, Any]:
     s3.requests(reset=True)
-    code = TTFB_CHILD.format(repo=str(REPO), url=url, budget=budget, cache=cache_dir)
+    code = TTFB_CHILD.format(url=url, budget=budget, cache=cache_dir)
     started = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **s3.environ()}, check=True)
+    # cwd: `python -c` imports from the working directory first, so the child runs this tree's hsstore.
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **s3.environ()}, cwd=REPO_ROOT, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     result["process_wall_s"] = time.perf_counter() - started
     result["requests"] = s3.requests()
@@ -185,7 +181,7 @@ def median(runs: list[dict[str, Any]], key: str) -> float:
     return float(statistics.median(run[key] for run in runs))
 
 
-def main(argv: list[str] | None = None) -> int:
+def local_vs_s3(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--tokens", type=int, default=24_576, help="tokens in the throughput store")
@@ -221,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = {"token_budget": args.token_budget, "read_threads": args.read_threads, "prefetch_batches": args.prefetch_batches, "shuffle_window": 1024, "seed": 0}
     report: dict[str, Any] = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {"nproc": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": machine_info(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "settings": {**settings, "hidden": args.hidden, "features": "aux [3, H] + final [H], bf16, default chunks",
                      "endpoint_processes": args.endpoint_processes},
@@ -302,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     print_tables(report)
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        write_results(args.out, report)
     return 0
 
 
@@ -334,6 +330,17 @@ def print_tables(report: dict[str, Any]) -> None:
     cold = report["ttfb"]["cold"][0]
     print(f"requests of that process (the first batch, and the next group's reads started before it stopped): {cold['requests']}; "
           f"cached: {report['ttfb']['cached'][0]['requests']}")
+
+
+# Modes: ``python -m benchmarks.bench_object_store MODE --help``; without a mode, :func:`local_vs_s3` runs.
+MODES = {
+    "s3-latency": "benchmarks.object_store.s3_latency",
+    "profile-reads": "benchmarks.object_store.profile_reads",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_modes(argv, local_vs_s3, MODES, prog="python -m benchmarks.bench_object_store")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ load from other processes on a shared machine hits every layout alike; medians a
 Cold means the page cache was dropped (``/proc/sys/vm/drop_caches``; without root, ``posix_fadvise
 DONTNEED`` on every file) right before the run; ``fincore`` confirms what stayed resident.
 
-Usage: ``python benchmarks/bench_store.py [--quick] [--out results.json]``; see ``--help``.
+Usage: ``python -m benchmarks.bench_store [--quick] [--out results.json]``; see ``--help``.
 """
 
 from __future__ import annotations
@@ -28,9 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import os
-import platform
 import resource
 import shutil
 import signal
@@ -50,6 +48,7 @@ import numpy as np
 import torch
 
 import hsstore
+from benchmarks.common import machine_info, run_modes, write_results
 from hsstore.format.layout import SCALE_GROUPING
 from hsstore.loader import StreamingLoader
 from hsstore.torch_data import to_device
@@ -628,29 +627,6 @@ def markdown_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def machine_info() -> dict[str, Any]:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), platform.processor())
-    mem = next((line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")), "?")
-    import zarr
-
-    repo = Path(__file__).resolve().parents[1]
-    git = subprocess.run(["git", "-C", str(repo), "log", "-1", "--format=%h %cI", "--", "hsstore"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--", "hsstore"], capture_output=True, text=True).stdout.strip()
-    return {
-        "hsstore_commit": f"{git}{' (hsstore/ has uncommitted changes)' if dirty else ''}",
-        "cpu": cpu,
-        "nproc": os.cpu_count(),
-        "mem_total_kib": int(mem) if mem != "?" else None,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "zarr": zarr.__version__,
-        "numpy": np.__version__,
-        "hsstore": hsstore.__version__,
-        "kernel": platform.release(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-    }
-
-
 def parse_chunk_tokens(text: str, hidden_sizes: list[int]) -> dict[int, int]:
     """``"256"`` (every hidden size) or ``"4096:256,384:1024"``; empty or 0: FeatureSpec's default."""
     if not text.strip():
@@ -710,7 +686,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     return settings, args
 
 
-def main(argv: list[str] | None = None) -> int:
+def compare_layouts(argv: list[str] | None = None) -> int:
     settings, args = parse_args(argv)
     if settings.token_budget < settings.max_len:
         print(f"--token-budget {settings.token_budget} must hold the longest sample (--max-len {settings.max_len})", file=sys.stderr)
@@ -747,8 +723,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ntotal {report['wall_s']:.0f}s; hsstore {report['machine']['hsstore_commit']}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1, default=str))
+        write_results(args.out, report, indent=1)
     return 0
+
+
+# Modes: ``python -m benchmarks.bench_store MODE --help``; without a mode, :func:`compare_layouts` runs.
+MODES = {
+    "compact-preset": "benchmarks.store.compact_preset",
+    "compact-bytes": "benchmarks.store.compact_bytes",
+    "layer-subset": "benchmarks.store.layer_subset",
+    "shard-write": "benchmarks.store.shard_write",
+    "import": "benchmarks.store.import_dump",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_modes(argv, compare_layouts, MODES, prog="python -m benchmarks.bench_store")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 In one run:
 
-1. **Throughput** (per target shape): the same draft training step (``pipelines.train.trainer.
-   train_step_draft``: teacher from the final state, 7-step TTT unroll, AdamW) fed two ways:
+1. **Throughput** (per target shape): the trainer's own draft step (``pipelines.train.trainer``'s
+   ``build_draft`` and ``build_objective``, ``objective_loss``: teacher from the final state, 7-step
+   TTT unroll, AdamW; :func:`throughput` below) fed two ways:
    - *store*: packed batches streamed by ``hsstore.loader.StreamingLoader`` and decoded on the device;
    - *online*: the target runs inside the step on the same packed rows (each row's documents as a
      padded batch, hooks capture the aux and final states: what SpecForge's and Quark's online modes
@@ -18,8 +19,8 @@ In one run:
 Shapes: ``reference`` (examples/reference-target, real weights, real records) and ``qwen3-8b``
 (Qwen3-8B's config with random bf16 weights, random token ids; CUDA only: 16 GB of weights).
 
-    python benchmarks/bench_train.py --quick                      # CPU smoke, minutes
-    python benchmarks/bench_train.py --device cuda --out bench_train_h200.json   # lent H200
+    python -m benchmarks.bench_train --quick                      # CPU smoke, minutes
+    python -m benchmarks.bench_train --device cuda --out bench_train_h200.json   # lent H200
 
 Prints a markdown table; ``--out`` writes the numbers as JSON.
 """
@@ -39,16 +40,14 @@ from typing import Any
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import hsstore
+from benchmarks.common import REPO_ROOT, run_modes, write_results
+from hsstore.loader import StreamingLoader
+from hsstore.torch_data import DeviceBatch, WaitTimer, to_device
+from pipelines.train.config import TrainRecipe
 
-import hsstore  # noqa: E402
-from hsstore.loader import StreamingLoader  # noqa: E402
-from hsstore.torch_data import DeviceBatch, WaitTimer, to_device  # noqa: E402
-from pipelines.train.config import TrainRecipe  # noqa: E402
-
-REFERENCE_TARGET = REPO / "examples" / "reference-target"
-TRAIN_DATA = Path(os.environ.get("HSSTORE_TRAIN_DATA", REPO.parent / "shared" / "data" / "draft_train.jsonl"))
+REFERENCE_TARGET = REPO_ROOT / "examples" / "reference-target"
+TRAIN_DATA = Path(os.environ.get("HSSTORE_TRAIN_DATA", REPO_ROOT.parent / "shared" / "data" / "draft_train.jsonl"))
 QWEN3_8B = dict(  # Qwen/Qwen3-8B config.json
     vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
@@ -239,7 +238,7 @@ def throughput(recipe: TrainRecipe, steps: int, warmup: int, online_model: Any |
     result = {"tokens_per_s": tokens / elapsed, "data_wait_frac": wait / elapsed, "tokens": tokens, "seconds": elapsed,
               "scored_fraction": float(scored.mean()) / max(tokens, 1)}
     if device.type == "cuda":
-        from benchmarks.profile_train_step import step_flops_per_token
+        from benchmarks.train.profile_step import step_flops_per_token
 
         flops = step_flops_per_token(draft.config, recipe.ttt_length, result["scored_fraction"]) * tokens
         result["model_tflops"] = flops / elapsed / 1e12
@@ -261,11 +260,11 @@ def ddp_throughput(store: Path, target: Path, workdir: Path, args: argparse.Name
         f"draft.vocab.draft_vocab_size={args.draft_vocab}", "schedule.warmup_steps=5",
     ]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", "-m", "pipelines.cli", "train",
-               str(REPO / "recipes" / "qwen3" / "qwen3-8b-eagle3-train.yaml")]
+               str(REPO_ROOT / "recipes" / "qwen3" / "qwen3-8b-eagle3-train.yaml")]
     for item in overrides:
         command += ["--set", item]
     started = time.perf_counter()
-    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=args.ddp_timeout)
+    proc = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=args.ddp_timeout)
     if proc.returncode != 0:
         return {"gpus": gpus, "error": proc.stderr[-3000:]}
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -313,7 +312,7 @@ class _SkipQuality(Exception):
 # -- main ---------------------------------------------------------------------------------------
 
 
-def main() -> int:
+def store_vs_online(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="CPU smoke: few records, short sequences, few steps")
@@ -334,7 +333,7 @@ def main() -> int:
     parser.add_argument("--ddp-gpus", nargs="*", type=int, default=[], help="torchrun the qwen3-8b trainer on these GPU counts")
     parser.add_argument("--ddp-steps", type=int, default=40)
     parser.add_argument("--ddp-timeout", type=int, default=300)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
     quick = args.quick or not cuda
     args.records = args.records or (24 if quick else 400)
@@ -418,7 +417,7 @@ def main() -> int:
 
     print(format_table(results))
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        write_results(args.out, results)
     return 0
 
 
@@ -446,6 +445,17 @@ def format_table(results: dict[str, Any]) -> str:
         for codec, row in results["quality"].items():
             lines.append(f"| {codec} | {row['train_tokens']:,} | {' '.join(f'{a:.3f}' for a in row['held_out_acc'])} |")
     return "\n".join(lines)
+
+
+# Modes: ``python -m benchmarks.bench_train MODE --help``; without a mode, :func:`store_vs_online` runs.
+MODES = {
+    "ab": "benchmarks.train.ab",
+    "profile": "benchmarks.train.profile_step",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_modes(argv, store_vs_online, MODES, prog="python -m benchmarks.bench_train")
 
 
 if __name__ == "__main__":

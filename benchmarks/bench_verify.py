@@ -7,15 +7,13 @@ verify`` did before) and with its default (the cores locally, the location's rea
 alternating, ``--repeats`` times; medians and their ratio are reported. The local store is read
 from the page cache (it was just written), so the local row measures hashing, not a disk.
 
-Usage: ``python benchmarks/bench_verify.py [--quick] [--out results.json]``.
+Usage: ``python -m benchmarks.bench_verify [--quick] [--out results.json]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -24,14 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from benchmarks.bench_object_store import range_reader, write_store  # noqa: E402
-from hsstore.storage import StoreLocation  # noqa: E402
-from hsstore.verify import verify_store  # noqa: E402
-from tests.support.s3 import MotoS3, upload  # noqa: E402
+from benchmarks.bench_object_store import range_reader, write_store
+from benchmarks.common import machine_info, write_results
+from hsstore.storage import StoreLocation
+from hsstore.verify import verify_store
+from tests.support.s3 import MotoS3, upload
 
 
 def timed_verify(url: str, threads: int | None) -> dict[str, Any]:
@@ -60,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="bench-verify-"))
     report: dict[str, Any] = {
         "command": " ".join(["bench_verify.py", *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {"nproc": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": machine_info(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     try:
@@ -111,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         seconds = summary[f"{key}_seconds"]
         print(f"| {label} | {seconds:.2f} | {gb / seconds:.2f} | {summary[f'{base}_seconds'] / seconds:.2f}x |")
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        write_results(args.out, report)
     return 0
 
 

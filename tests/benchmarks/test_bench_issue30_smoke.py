@@ -1,4 +1,4 @@
-"""benchmarks/bench_eagle31.py and bench_import.py at a tiny size: they run end to end and write
+"""benchmarks/bench_eagle31.py and ``bench_store import`` at a tiny size: they run end to end and write
 the JSON the issue asks for (the numbers themselves are measured in benchmarks/RESULTS.md)."""
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ def test_bench_eagle31_trains_both_drafts_and_writes_their_acceptance(reference_
 
 
 def test_bench_import_measures_speed_and_bytes(tmp_path: Path) -> None:
-    from benchmarks import bench_import
+    from benchmarks import bench_store
 
     out = tmp_path / "import.json"
     argv = ["--files", "12", "--records", "4", "--max-length", "64", "--workers", "1",
             "--workdir", str(tmp_path / "work"), "--out", str(out)]
-    assert bench_import.main(argv) == 0
+    assert bench_store.main(["import", *argv]) == 0
     results = json.loads(out.read_text())
     assert results["files"] == 12 and results["seconds"] > 0 and results["disk_read_mb_per_s"] > 0
     assert 0 < results["store_bytes"] < results["source_bytes"] / 2

@@ -3,23 +3,16 @@ checked against any speed: speed goals live in benchmarks/RESULTS.md, never in t
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_store.py"
-
 
 def _load_bench():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("bench_store", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_store"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks import bench_store
+
+    return bench_store
 
 
 def test_tiny_run_prints_tables_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

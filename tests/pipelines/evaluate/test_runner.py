@@ -249,45 +249,6 @@ def test_a_draft_for_another_target_is_refused_before_decoding(
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.slow
-def test_benchmark_script_runs_at_a_tiny_size(
-    tmp_path: Path, random_draft_dir: Path, short_prompts_file: Path, capsys: pytest.CaptureFixture
-) -> None:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "bench_evaluate", REPO_ROOT / "benchmarks" / "bench_evaluate.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    out = tmp_path / "bench.json"
-    argv = [
-        "--draft",
-        str(random_draft_dir),
-        "--prompts",
-        str(short_prompts_file),
-        "--device",
-        "cpu",
-    ]
-    argv += [
-        "--limit",
-        "1",
-        "--max-new-tokens",
-        "4",
-        "--chains",
-        "2",
-        "--trees",
-        "2/2/3",
-        "--out",
-        str(out),
-    ]
-    assert bench.main(argv) == 0
-    table = capsys.readouterr().out
-    assert "| chain-2-greedy |" in table and "| tree-2-2-3-t1 |" in table
-    results = json.loads(out.read_text())
-    assert len(results["settings"]) == 4 and results["benchmark"]["cpu_threads"] >= 1
-
-
 def test_a_tree_wider_than_the_draft_vocabulary_is_refused(
     tmp_path: Path, reference_target: Path, random_draft_dir: Path, short_prompts_file: Path
 ) -> None:

@@ -9,13 +9,12 @@ into the batch (``hsstore.read_cache.scatter``) and the crc32c of every chunk. T
 timed by wrapping those three functions in this process (a few microseconds per call; the GETs
 are ~10 MB each).
 
-    python benchmarks/profile_s3_reads.py --threads 8,16,32 --endpoint-processes 8 --tokens 98304
+    python -m benchmarks.bench_object_store profile-reads --threads 8,16,32 --endpoint-processes 8 --tokens 98304
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -26,15 +25,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-import hsstore.format.array_reader as array_reader  # noqa: E402
-import hsstore.storage.base as storage_base  # noqa: E402
-from benchmarks.bench_object_store import range_reader, read_epoch, write_store  # noqa: E402
-from hsstore.storage import S3Backend  # noqa: E402
-from tests.support.s3 import MotoS3, upload  # noqa: E402
+import hsstore.format.array_reader as array_reader
+import hsstore.storage.base as storage_base
+from benchmarks.bench_object_store import range_reader, read_epoch, write_store
+from benchmarks.common import machine_info, write_results
+from hsstore.storage import S3Backend
+from tests.support.s3 import MotoS3, upload
 
 
 class PhaseTimes:
@@ -85,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="profile-s3-reads-"))
     report: dict[str, Any] = {
         "command": " ".join(["profile_s3_reads.py", *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {"nproc": os.cpu_count()},
+        "machine": machine_info(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "runs": {},
     }
@@ -113,9 +109,6 @@ def main(argv: list[str] | None = None) -> int:
         storage_base.scatter, array_reader.crc32c_bytes, S3Backend.read_range = plain  # type: ignore[method-assign]
         shutil.rmtree(workdir, ignore_errors=True)
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        write_results(args.out, report)
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

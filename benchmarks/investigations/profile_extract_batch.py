@@ -19,8 +19,8 @@ on the device (contention, clocks), not starved by the host. ``--profile DIR`` w
 the bf16 worker.
 
 
-    python benchmarks/profile_extract_batch.py --shape qwen3-8b --tokens 524288 --out $OUT/profile-extract.json
-    python benchmarks/profile_extract_batch.py --shape small --device cpu --tokens 16384   # smoke
+    python -m benchmarks.investigations.profile_extract_batch --shape qwen3-8b --tokens 524288 --out $OUT/profile-extract.json
+    python -m benchmarks.investigations.profile_extract_batch --shape small --device cpu --tokens 16384   # smoke
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import argparse
 import json
 import queue
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -39,25 +38,27 @@ from typing import Any
 import numpy as np
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+from benchmarks.bench_extract import (
+    ForwardTimeline,
+    GpuSampler,
+    build_model,
+    make_samples,
+    to_device,
+)
+from benchmarks.bench_extract import synchronize as sync
+from benchmarks.common import write_results
+from hsstore import FeatureSpec
+from hsstore.format.codecs import encode_torch
+from pipelines.extract.batching import collate, plan_batches
+from pipelines.extract.capture import HiddenStateCapture
+from pipelines.extract.recipe import UnitsSection
+from pipelines.extract.sink import HostBufferPool
+from pipelines.extract.units import SampleRow, WorkUnit, cut_into_units
+from pipelines.extract.worker import ExtractionWorker
+from pipelines.extract.worker_spec import WorkerSpec
 
-from bench_extract import ForwardTimeline, GpuSampler, build_model, make_samples, to_device  # noqa: E402
-from bench_extract import synchronize as sync  # noqa: E402
 
-from hsstore import FeatureSpec  # noqa: E402
-from hsstore.format.codecs import encode_torch  # noqa: E402
-from pipelines.extract.batching import collate, plan_batches  # noqa: E402
-from pipelines.extract.capture import HiddenStateCapture  # noqa: E402
-from pipelines.extract.recipe import UnitsSection  # noqa: E402
-from pipelines.extract.sink import HostBufferPool  # noqa: E402
-from pipelines.extract.units import SampleRow, WorkUnit, cut_into_units  # noqa: E402
-from pipelines.extract.worker import ExtractionWorker  # noqa: E402
-from pipelines.extract.worker_spec import WorkerSpec  # noqa: E402
-
-
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen3-8b", choices=["qwen3-8b", "small"])
     parser.add_argument("--device", default="cuda")
@@ -67,7 +68,7 @@ def main() -> int:
     parser.add_argument("--store-dir", default=None)
     parser.add_argument("--profile", default=None)
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device(args.device)
     model = build_model(args.shape, torch.bfloat16, device)
     layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
@@ -230,8 +231,9 @@ def main() -> int:
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__}
     print(json.dumps(out, indent=1))
     if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+        write_results(args.out, out, indent=1)
     return 0
+
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ Why: on an H200 the GPU's first forward of a run started 0.85-1.2 s after the fi
 Each mode runs in a fresh process (imports are what the first unit paid for), ``--repeats`` times,
 alternating; medians.
 
-    python benchmarks/profile_first_unit.py [--target DIR] [--device cpu|cuda] [--repeats 5]
+    python -m benchmarks.investigations.profile_first_unit [--target DIR] [--device cpu|cuda] [--repeats 5]
 
 Without ``--target`` a tiny random Qwen3 is built (the tests' builder).
 """
@@ -23,8 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+from benchmarks.common import REPO_ROOT
 
 
 def one_run(target: str, device: str, warm_write: bool, units: int) -> list[float]:
@@ -93,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.repeats):
         for mode in runs:  # alternating, each in a fresh process
             done = subprocess.run(
-                [sys.executable, __file__, "--child", mode, "--target", target, "--device", args.device,
+                [sys.executable, "-m", "benchmarks.investigations.profile_first_unit", "--child", mode, "--target", target, "--device", args.device,
                  "--units", str(args.units)],
                 cwd=REPO_ROOT, capture_output=True, text=True, check=True,
             )
@@ -113,5 +112,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

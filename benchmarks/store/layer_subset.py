@@ -16,15 +16,12 @@ Bytes read are counted where hsstore's range reader asks the filesystem for them
 the shard indexes), so they are what a network filesystem or object store would transfer.
 Epochs are repeated (warm page cache), runs interleaved, medians reported.
 
-Usage: ``python benchmarks/bench_layer_subset.py [--quick] [--out results.json]``.
+Usage: ``python -m benchmarks.bench_store layer-subset [--quick] [--out results.json]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import shutil
 import statistics
 import sys
@@ -36,13 +33,10 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-import hsstore  # noqa: E402
-from hsstore import FeatureSpec, Lineage  # noqa: E402
-from hsstore.format.array_reader import ArrayReader  # noqa: E402
+import hsstore
+from benchmarks.common import machine_info, write_results
+from hsstore import FeatureSpec, Lineage
+from hsstore.format.array_reader import ArrayReader
 
 CAPTURED = [2, 6, 10, 14, 18, 22]
 CHOSEN = [1, 3, 4]  # indices: layers 6, 14, 18
@@ -130,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "command": " ".join(["bench_layer_subset.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": {"nproc": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": machine_info(),
         "settings": {**settings, "hidden": args.hidden, "codec": args.codec, "captured": CAPTURED, "chosen_ids": [CAPTURED[i] for i in CHOSEN], "num_samples": len(lengths), "tokens": sum(lengths)},
         "layouts": {},
     }
@@ -168,9 +162,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {entry['bytes_read']:,} | {entry['bytes_read'] / base['bytes_read']:.3f}x | {entry['reads']:,} | {entry['tokens_per_s']:,} | {entry['tokens_per_s'] / base['tokens_per_s']:.2f}x |")
     print(f"\nsubset_read_bytes_ratio: {report['subset_read_bytes_ratio']}")
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        write_results(args.out, report)
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

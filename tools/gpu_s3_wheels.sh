@@ -3,9 +3,9 @@
 # moto's server, s3fs and obstore are not in its image. Downloads, for its Python 3.12, the versions
 # installed here of the packages the benchmark imports that the image lacks (KINDS.md's list), plus
 # the .gpu/whl wheels (zarr, crc32c, pydantic, ...: build .gpu/ first), into the ignored .gpu-s3/whl.
-#   bash benchmarks/gpu_s3_wheels.sh        # ~45 MB; then, in a device call carrying [".gpu-s3"]:
+#   bash tools/gpu_s3_wheels.sh        # ~45 MB; then, in a device call carrying [".gpu-s3"]:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-s3/whl/*.whl
-#   PYTHONPATH=/tmp/site:$PWD python3 benchmarks/bench_object_store.py --tokens 98304 --endpoint-processes 8 --out $OUT/os.json
+#   PYTHONPATH=/tmp/site:$PWD python -m benchmarks.bench_object_store --tokens 98304 --endpoint-processes 8 --out $OUT/os.json
 # (The tree with examples/reference-target's weights plus these is over a call's 64 MiB: move the
 # weights out for the call and back after.) Checked here: a Python 3.12 venv holding only the image's
 # packages that the benchmark imports (numpy, pyarrow, aiohttp, werkzeug, jinja2, click, packaging,
@@ -26,7 +26,7 @@ done
 if ls .gpu/whl/*.whl >/dev/null 2>&1; then
   cp .gpu/whl/*.whl "$dest"/
 else
-  echo "no .gpu/whl: run ../shared/gpu/make-bundle.sh and benchmarks/gpu_bundle_extras.sh first" >&2
+  echo "no .gpu/whl: run ../shared/gpu/make-bundle.sh and tools/gpu_bundle_extras.sh first" >&2
   exit 1
 fi
 du -sh "$dest"

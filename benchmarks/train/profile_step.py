@@ -5,8 +5,8 @@ final states, a random target lm_head (the teacher), the project's draft of the 
 One step = teacher rows + the TTT unroll and loss (``pipelines.train.objective``) + backward +
 clipping + AdamW: what ``hsstore train`` runs per step after the batch is on the device.
 
-    python benchmarks/profile_train_step.py --shape qwen3-8b --tokens 8192 --variants flex+compile flex eager
-    python benchmarks/profile_train_step.py --shape qwen3-8b --profile $OUT/trace   # torch.profiler table
+    python -m benchmarks.bench_train profile --shape qwen3-8b --tokens 8192 --variants flex+compile flex eager
+    python -m benchmarks.bench_train profile --shape qwen3-8b --profile $OUT/trace   # torch.profiler table
 
 Prints one line per variant (tokens/s, step ms, peak GiB, model TFLOP/s and MFU against the
 measured bf16 matmul rate) and, with ``--profile``, the top CUDA kernels of the first variant and
@@ -20,19 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from pipelines.models.eagle3 import Eagle3Config, Eagle3Draft  # noqa: E402
-from pipelines.train.objective import DraftObjective  # noqa: E402
-from pipelines.train.teacher import TeacherHead  # noqa: E402
+from benchmarks.common import write_results
+from pipelines.models.eagle3 import Eagle3Config, Eagle3Draft
+from pipelines.train.objective import DraftObjective
+from pipelines.train.teacher import TeacherHead
 
 SHAPES = {
     "qwen3-8b": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -194,7 +191,7 @@ def gpu_idle(events: list[dict[str, Any]], steps: int, top: int = 12) -> dict[st
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per packed row")
@@ -207,7 +204,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--profile", default=None, help="write torch.profiler tables here")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device("cuda")
     peak = measure_matmul_tflops(device)
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
@@ -224,9 +221,6 @@ def main() -> int:
         results["variants"].append(row)
         print(json.dumps(row), flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        write_results(args.out, results)
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

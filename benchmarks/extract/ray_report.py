@@ -1,9 +1,11 @@
-"""Turn bench_extract_ray.py's output folder into benchmarks/RESULTS.md's section and the results files.
+"""Turn ``bench_extract ray``'s output folder into a dated benchmarks/LOG.md section and the results files.
 
-    python benchmarks/extract_results.py OUT_DIR            # print the section
-    python benchmarks/extract_results.py OUT_DIR --write    # and write it into RESULTS.md (between
-                                                            # its markers), results/extract-h200.json,
-                                                            # results/object-store.json's split_target
+    python -m benchmarks.bench_extract ray-report OUT_DIR            # print the section
+    python -m benchmarks.bench_extract ray-report OUT_DIR --write    # and append it to LOG.md, write
+                                                                     # results/extract-h200.json and
+                                                                     # results/object-store.json's split_target
+
+RESULTS.md's extraction table is then updated by hand (it holds the current numbers only).
 
 Only numbers found in OUT_DIR's JSON are written; a run that is missing is shown as "not run".
 """
@@ -12,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
-BENCH = Path(__file__).resolve().parent
-BEGIN, END = "<!-- extract-h200:begin -->", "<!-- extract-h200:end -->"
+from benchmarks.common import REPO_ROOT
+
+BENCH = REPO_ROOT / "benchmarks"
 
 
 def fmt(value: float | None, spec: str = ",.0f") -> str:
@@ -30,10 +32,9 @@ def section(extract: dict[str, Any], split: dict[str, Any] | None) -> str:
     machine = extract["machine"]
     settings = extract["settings"]
     lines = [
-        BEGIN,
-        f"### Extraction through Ray at the GPU's limit (issue 13), {extract['date']}",
+        f"## {extract['date']}: extraction through Ray at the GPU's limit (issue 13)",
         "",
-        f"`{extract['command']}` (stage `extract-ray` of `benchmarks/gpu_session.sh`) on "
+        f"`{extract['command']}` (stage `extract-ray` of `tools/gpu_session.sh`) on "
         f"{', '.join(machine.get('gpus', []))}; {machine.get('cpus')} CPUs, Python {machine.get('python')}, "
         f"torch {machine.get('torch')}, transformers {machine.get('transformers')}, Ray {machine.get('ray', '?')}. "
         f"The {settings['shape']} shape with random bf16 weights, {extract['num_tokens']:,} tokens of "
@@ -77,7 +78,7 @@ def section(extract: dict[str, Any], split: dict[str, Any] | None) -> str:
             f"GPU's on the same batches {fmt(s['max_rel_err_vs_one_gpu'], '.2e')} ({s['samples_compared']} samples), "
             f"vs the 1-GPU store (batched differently) {fmt(s.get('max_rel_err_vs_one_gpu_store'), '.2e')}.",
         ]
-    lines += ["", "Numbers: `benchmarks/results/extract-h200.json`, `benchmarks/results/object-store.json` (`split_target`).", END]
+    lines += ["", "Numbers: `benchmarks/results/extract-h200.json`, `benchmarks/results/object-store.json` (`split_target`)."]
     return "\n".join(lines)
 
 
@@ -100,16 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             store = json.loads(store_path.read_text()) if store_path.exists() else {}
             store["split_target"] = split["split_target"]
             store_path.write_text(json.dumps(store, indent=2) + "\n")
-        results = BENCH / "RESULTS.md"
-        current = results.read_text()
-        if BEGIN in current and END in current:
-            head, rest = current.split(BEGIN, 1)
-            current = head + text + rest.split(END, 1)[1]
-        else:
-            current = current.rstrip("\n") + "\n\n" + text + "\n"
-        results.write_text(current)
+        log = BENCH / "LOG.md"  # newest last
+        log.write_text(log.read_text().rstrip("\n") + "\n\n" + text + "\n")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

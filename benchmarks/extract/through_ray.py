@@ -35,9 +35,9 @@ Tokens/s are the real (unpadded) tokens over the extraction's own timer (the sum
 models loaded); the bare forward's are the same tokens over its forward time.
 
     # GPU box (2 GPUs), from the repository root, after `bash .gpu/setup.sh`:
-    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/bench_extract_ray.py run --out $OUT
+    PYTHONPATH=/tmp/site:$PWD python -m benchmarks.bench_extract ray run --out $OUT
     # CPU smoke (tiny model, in-process executor, no split):
-    python benchmarks/bench_extract_ray.py run --shape small --device cpu --executor local \\
+    python -m benchmarks.bench_extract ray run --shape small --device cpu --executor local \\
         --tokens 6000 --min-length 64 --max-length 256 --max-length-cap 512 --token-budget 1024 \\
         --unit-tokens 2048 --disk-gib 0.01 --out /tmp/out
 
@@ -58,8 +58,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+from benchmarks.common import REPO_ROOT
 
 AUX_LAYER_IDS = {"qwen3-8b": [2, 18, 33], "small": [1, 2, 3]}
 
@@ -82,8 +81,7 @@ def prepare(args: argparse.Namespace) -> None:
     except ImportError:  # transformers versions that name only the backend class
         from transformers import TokenizersBackend as PreTrainedTokenizerFast
 
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    from bench_extract import build_model
+    from benchmarks.bench_extract import build_model
 
     work = Path(args.work)
     model_dir = work / "target"
@@ -213,7 +211,7 @@ def last_json_object(text: str) -> dict[str, Any]:
 
 def step(args: argparse.Namespace, name: str, *extra: str) -> dict[str, Any]:
     """Run a step of this script in its own process; it prints one JSON line last."""
-    command = [sys.executable, __file__, name, "--work", args.work, "--shape", args.shape, "--device", args.device,
+    command = [sys.executable, "-m", "benchmarks.bench_extract", "ray", name, "--work", args.work, "--shape", args.shape, "--device", args.device,
                "--token-budget", str(args.token_budget), "--unit-tokens", str(args.unit_tokens),
                "--max-length-cap", str(args.max_length_cap), "--split-records", str(args.split_records),
                "--compare-samples", str(args.compare_samples), *extra]
@@ -678,6 +676,3 @@ def main(argv: list[str] | None = None) -> int:
     {"run": run, "prepare": prepare, "bare": bare, "compare": compare}[args.command](args)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

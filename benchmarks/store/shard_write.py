@@ -6,29 +6,25 @@ as it writes). This measures GB/s against a plain ``numpy.tofile`` of the same b
 ceiling for this process, for one Zarr shard file per array (``--shard-chunks 0``, the default) and
 for a file every N chunks.
 
-    python benchmarks/bench_shard_write.py --hidden 4096 --tokens 65536 --shard-chunks 0 64
+    python -m benchmarks.bench_store shard-write --hidden 4096 --tokens 65536 --shard-chunks 0 64
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-
-from hsstore import FeatureSpec, ShardWriter  # noqa: E402
+from benchmarks.common import machine_info, write_results
+from hsstore import FeatureSpec, ShardWriter
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--tokens", type=int, default=65536, help="tokens per shard")
@@ -37,7 +33,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     rng = np.random.default_rng(0)
     H, T = args.hidden, args.sample_tokens
@@ -93,8 +89,5 @@ def main() -> None:
     for row in rows:
         print(f"| {row['writer']} | {row['shard_chunks']} | {row['files']} | {row['gb_per_s']:.2f} | {row.get('tokens_per_s', 0):,.0f} |")
     if args.out:
-        Path(args.out).write_text(json.dumps({"hidden": H, "tokens": args.tokens, "rows": rows}, indent=2))
+        write_results(args.out, {"hidden": H, "tokens": args.tokens, "machine": machine_info(), "rows": rows})
 
-
-if __name__ == "__main__":
-    main()

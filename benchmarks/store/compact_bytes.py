@@ -12,26 +12,22 @@ codecs' exact sizes and compression ratios measured on the reference target's re
    fp8 aux 12,288 + 12 bytes of scales; final bf16 8,192, fp8 4,100; top-k k x (2 or 4) + k x 4)
    times the measured ratio. Only the ratios come from H=384; ``--quick`` for a tiny run.
 
-Usage: ``python benchmarks/bench_compact_bytes.py [--records 40] [--out results.json]``.
+Usage: ``python -m benchmarks.bench_store compact-bytes [--records 40] [--out results.json]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-import hsstore  # noqa: E402
-from hsstore import FeatureSpec  # noqa: E402
+import hsstore
+from benchmarks.common import REPO_ROOT, write_results
+from hsstore import FeatureSpec
 
 H_TARGET = 4096
 NUM_AUX = 3
@@ -43,8 +39,8 @@ def extract(store: Path, records: int, topk: int) -> None:
     from pipelines.recipe import build_recipe
 
     recipe = build_recipe(ExtractRecipe, {
-        "target": str(REPO / "examples" / "reference-target"),
-        "data": [str(REPO / "examples" / "data" / "draft_train_slice.jsonl")],
+        "target": str(REPO_ROOT / "examples" / "reference-target"),
+        "data": [str(REPO_ROOT / "examples" / "data" / "draft_train_slice.jsonl")],
         "store": str(store), "limit": records, "executor": "local",
         "model": {"dtype": "float32", "device": "cpu"},
         "capture": {"aux_layer_ids": [2, 4, 5], "final_hidden_state": True, "target_distribution": "topk", "topk_k": topk},
@@ -145,9 +141,6 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print(f"| {row['aux']} | {row['teacher']} | {row['compression']} | {row['aux_bytes']:,} | {row['teacher_bytes']:,} | {row['bytes_per_token_h4096']:,} | {row['bytes_per_token_h4096'] / 32768:.3f} |")
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        write_results(args.out, report)
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

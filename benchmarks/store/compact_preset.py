@@ -15,13 +15,12 @@ One run, side by side, every step the project's own jobs:
 
 ``*_rel_delta`` = (compact - bf16) / bf16, averaged over depths / settings, as the issue defines.
 Small by necessity on a shared 2-core machine (see ``--help`` for the sizes; RESULTS.md says what
-was run). Usage: ``python benchmarks/bench_compact_preset.py [--quick] [--out results.json]``.
+was run). Usage: ``python -m benchmarks.bench_store compact-preset [--quick] [--out results.json]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -30,14 +29,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from benchmarks.common import REPO_ROOT, write_results
 
-TARGET = REPO / "examples" / "reference-target"
-SHARED_DATA = REPO.parent / "shared" / "data" / "draft_train.jsonl"
-SLICE_DATA = REPO / "examples" / "data" / "draft_train_slice.jsonl"
-PROMPTS = REPO / "examples" / "data" / "eval_prompts.jsonl"
+TARGET = REPO_ROOT / "examples" / "reference-target"
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data" / "draft_train.jsonl"
+SLICE_DATA = REPO_ROOT / "examples" / "data" / "draft_train_slice.jsonl"
+PROMPTS = REPO_ROOT / "examples" / "data" / "eval_prompts.jsonl"
 
 CODECS = {
     "bf16": {
@@ -173,9 +170,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {variant} | {entry['store_bytes_per_token']:,.0f} | {accs} | {als} |")
     print(f"\nheldout_accuracy_rel_delta {report['heldout_accuracy_rel_delta']:+.4f}, acceptance_length_rel_delta {report['acceptance_length_rel_delta']:+.4f}")
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        write_results(args.out, report)
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -6,7 +6,7 @@ memory of that process and its children (the tokenizing pool and its fork server
 /proc: the sum of RSS (counts pages shared between processes once per process) and of PSS (shared
 pages split between the processes that share them: what the tree really holds). Peaks are reported.
 
-    python benchmarks/bench_dry_run_memory.py --records 300000 --out benchmarks/results/extract-dry-run.json
+    python -m benchmarks.bench_extract dry-run-memory --records 300000 --out benchmarks/results/extract-dry-run.json
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common import REPO_ROOT, write_results
 
 
 def write_records(path: Path, count: int, seed: int = 0) -> None:
@@ -123,13 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         "planning_workers": args.workers or len(os.sched_getaffinity(0)),
         "cpus": os.cpu_count(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": " ".join(["python", "benchmarks/bench_dry_run_memory.py", *(argv or sys.argv[1:])]),
+        "command": " ".join(["python", "-m", "benchmarks.bench_extract", "dry-run-memory", *(argv or sys.argv[1:])]),
     }
     print(json.dumps(result, indent=2))
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        write_results(args.out, result)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,11 +1,36 @@
-"""benchmarks/profile_train_step.py's GPU-idle summary on a hand-made trace (the profile itself needs CUDA)."""
+"""``python -m benchmarks.bench_train`` at a tiny size on the CPU (store vs online throughput and the
+bf16-vs-fp8 quality run both come out), and the ``profile`` mode's GPU-idle summary on a hand-made
+trace (the profile itself needs CUDA)."""
 
 from __future__ import annotations
 
-from benchmarks.profile_train_step import gpu_idle
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.support.paths import TRAIN_DATA
+
+
+@pytest.mark.slow
+def test_tiny_cpu_run_times_both_feeds_and_trains_both_codecs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import bench_train
+
+    monkeypatch.setattr(bench_train, "TRAIN_DATA", TRAIN_DATA)  # the bundled slice on a clone without ../shared
+    out = tmp_path / "train.json"
+    argv = ["--device", "cpu", "--records", "6", "--max-length", "128", "--token-budget", "256", "--steps", "2",
+            "--quality-steps", "2", "--draft-vocab", "256", "--workdir", str(tmp_path / "work"), "--out", str(out)]
+    assert bench_train.main(argv) == 0
+    results = json.loads(out.read_text())
+    for mode in ("store", "online"):
+        assert results["throughput"]["reference"][mode]["tokens_per_s"] > 0
+    assert set(results["quality"]) == {"bf16", "fp8_e4m3"}
+
 
 
 def test_idle_is_the_span_outside_the_union_of_kernel_intervals() -> None:
+    from benchmarks.train.profile_step import gpu_idle
+
     events = [
         {"cat": "kernel", "name": "a", "ts": 0, "dur": 10},
         {"cat": "kernel", "name": "b", "ts": 12, "dur": 8},  # a gap of 2 us after a

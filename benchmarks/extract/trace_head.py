@@ -6,7 +6,7 @@ traced batch and when the device ran its first kernel; the device's idle gaps lo
 kernel (CUDA runtime calls, such as an allocation or a synchronisation, show there). On a CPU trace
 there is no device timeline and only the host's part is printed.
 
-    python benchmarks/trace_head.py OUT/traces/extract-*.pt.trace.json.gz [--json summary.json]
+    python -m benchmarks.bench_extract trace OUT/traces/extract-*.pt.trace.json.gz [--json summary.json]
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +85,3 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(text + "\n")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

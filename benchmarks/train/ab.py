@@ -6,7 +6,7 @@ busy machine slows both alike; then the current tree's TTT code measures every c
 per-depth accuracy on a held-out store. Speed must not change what is learned.
 
     git worktree add /tmp/baseline <commit>
-    python benchmarks/bench_train_ab.py --baseline /tmp/baseline --out benchmarks/results/train-cpu-ab.json
+    python -m benchmarks.bench_train ab --baseline /tmp/baseline --out benchmarks/results/train-cpu-ab.json
 
 Store: the first ``--records`` records of the training data, extracted once by the current tree
 (the format is byte-identical across these versions: tests/data golden stores); the next
@@ -25,15 +25,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from benchmarks.bench_train import (  # noqa: E402
+from benchmarks.bench_train import (
     REFERENCE_TARGET,
     TRAIN_DATA,
     extract_reference,
     held_out_accuracy,
 )
+from benchmarks.common import REPO_ROOT, write_results
 
 TRAIN = """
 import json, sys
@@ -65,7 +63,7 @@ def readable_by_older(store: Path) -> None:
     path.write_text(json.dumps(manifest, indent=1) + "\n")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", required=True, help="a checkout of the baseline commit")
     parser.add_argument("--records", type=int, default=120)
@@ -76,7 +74,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     import torch
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="train-ab-"))
@@ -87,7 +85,7 @@ def main() -> int:
         extract_reference(held_out, TRAIN_DATA, args.held_out, args.max_length, "bf16", "cpu", skip=args.records)
     for path in (store, held_out):
         readable_by_older(path)
-    trees = {"baseline": Path(args.baseline).resolve(), "current": REPO}
+    trees = {"baseline": Path(args.baseline).resolve(), "current": REPO_ROOT}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
     for repeat in range(args.repeats):
         for name, tree in trees.items():
@@ -123,9 +121,6 @@ def main() -> int:
               + " ".join(f"{a:.3f}" for a in r["held_out_acc"]) + " |")
     print(f"speed ratio current/baseline: {results['speed_ratio']:.2f}x")
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        write_results(args.out, results)
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -31,8 +31,8 @@ forward (round robin), so a drift of the GPU's clocks falls on all of them alike
 Per variant: the median GPU time of the forward (CUDA events on the compute stream) and its
 excess over ``none`` in ms and %, plus the copies' own GPU time and GB/s.
 
-    python3 benchmarks/profile_copy_contention.py --out $OUT/copy-contention.json      # GPU
-    python benchmarks/profile_copy_contention.py --shape small --rows 2 --length 256 --cycles 2  # CUDA-less smoke: refuses
+    python -m benchmarks.investigations.profile_copy_contention --out $OUT/copy-contention.json      # GPU
+    python -m benchmarks.investigations.profile_copy_contention --shape small --rows 2 --length 256 --cycles 2  # CUDA-less smoke: refuses
 """
 
 from __future__ import annotations
@@ -47,10 +47,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
 VARIANTS = ("none", "d2h", "d2h_half", "h2d", "d2d", "d2h_host_busy", "d2h_serial", "d2h_paced4", "d2h_paced12",
             "d2h_paced36", "capture", "capture_d2h", "capture_d2h_paced4", "graph_none", "graph_d2h")
@@ -93,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_copy_contention needs a CUDA device")
-    from bench_extract import build_model
+    from benchmarks.bench_extract import build_model
 
     device = torch.device("cuda")
     model = build_model(args.shape, torch.bfloat16, device)
@@ -256,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
     return 0
+
 
 
 if __name__ == "__main__":

@@ -11,15 +11,13 @@ range readers, interleaved and repeated; the local filesystem at the loader's de
 baseline of the same run. The latency is an assumption of the run, stated in its output, not a
 measurement of any endpoint.
 
-    python benchmarks/bench_s3_latency.py --latency-ms 20 --threads 4,8,16,32 --out results.json
+    python -m benchmarks.bench_object_store s3-latency --latency-ms 20 --threads 4,8,16,32 --out results.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -28,15 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from benchmarks.bench_object_store import range_reader, read_epoch, write_store  # noqa: E402
-from tests.support.s3 import (
-    MotoS3,  # noqa: E402
-    upload,  # noqa: E402
-)
+from benchmarks.bench_object_store import range_reader, read_epoch, write_store
+from benchmarks.common import machine_info, write_results
+from tests.support.s3 import MotoS3, upload
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     base = {"token_budget": args.token_budget, "prefetch_batches": args.prefetch_batches, "shuffle_window": 1024, "seed": 0}
     report: dict[str, Any] = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {"nproc": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": machine_info(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "latency_ms": args.latency_ms,
         "settings": {**base, "hidden": args.hidden, "endpoint_processes": args.endpoint_processes},
@@ -109,9 +101,6 @@ def main(argv: list[str] | None = None) -> int:
         reader, n = name.rsplit("-", 1)
         print(f"| S3, {reader} | {n} | {row['tokens_per_s']:,} | {row['vs_local']:.2f}x | {row['mb_per_s']:,} | {row['requests']} |")
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        write_results(args.out, report)
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -18,7 +18,7 @@ Writes ``--out`` (default ``benchmarks/results/import.json``)::
 
     {"files": n, "source_bytes": x, "store_bytes": x, "seconds": x, ...read speed, ratios}
 
-CPU, small: ``python benchmarks/bench_import.py --files 2000 --workdir /tmp/bench-import``;
+CPU, small: ``python -m benchmarks.bench_store import --files 2000 --workdir /tmp/bench-import``;
 the issue's size: ``--files 10000`` (about 4 GB of files at --max-length 512).
 """
 
@@ -36,8 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+from benchmarks.common import REPO_ROOT, write_results
 
 
 def build_dump(args: argparse.Namespace) -> Path:
@@ -164,10 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         "argv": sys.argv[1:] if argv is None else argv,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    write_results(args.out, results)
     print(json.dumps(results, indent=2))
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

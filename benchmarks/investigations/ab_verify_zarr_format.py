@@ -2,15 +2,13 @@
 opened with ``zarr_format=3`` (hsstore's stores are Zarr v3 only) vs unspecified (zarr then also
 probes for v2 metadata, more requests per array), alternating, medians.
 
-Usage: ``python benchmarks/ab_verify_zarr_format.py [--shards 100] [--repeats 3] [--out results.json]``.
+Usage: ``python -m benchmarks.investigations.ab_verify_zarr_format [--shards 100] [--repeats 3] [--out results.json]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -18,16 +16,13 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import zarr
 
-import zarr  # noqa: E402
-
-from benchmarks.bench_object_store import write_store  # noqa: E402
-from hsstore.storage import StoreLocation  # noqa: E402
-from hsstore.verify import verify_store  # noqa: E402
-from tests.support.s3 import MotoS3, upload  # noqa: E402
+from benchmarks.bench_object_store import write_store
+from benchmarks.common import machine_info, write_results
+from hsstore.storage import StoreLocation
+from hsstore.verify import verify_store
+from tests.support.s3 import MotoS3, upload
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     medians = {name: statistics.median(times) for name, times in runs.items()}
     report = {"command": " ".join(["ab_verify_zarr_format.py", *(argv if argv is not None else sys.argv[1:])]),
-              "machine": {"nproc": os.cpu_count(), "platform": platform.platform()},
+              "machine": machine_info(),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "shards": args.shards, "runs": runs,
               "median_seconds": medians, "speedup": round(medians["unspecified"] / medians["zarr_format_3"], 2)}
     print(f"| verify --no-checksums, {args.shards} shards on moto S3 | runs (s) | median |\n|---|---|---:|")
@@ -69,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {' / '.join(f'{t:.2f}' for t in times)} | {medians[name]:.2f} s |")
     print(f"speedup {report['speedup']}x")
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        write_results(args.out, report)
     return 0
+
 
 
 if __name__ == "__main__":

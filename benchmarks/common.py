@@ -1,0 +1,95 @@
+"""What every benchmark script shares: its argument parser, the machine it ran on, the results
+file it writes, and the dispatch to its modes.
+
+Scripts run as modules from the repository root (``python -m benchmarks.bench_store``), so
+``hsstore``, ``pipelines`` and ``tests.support`` import without touching ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+
+
+def parser(doc: str | None, *, prog: str | None = None, defaults: bool = False) -> argparse.ArgumentParser:
+    """The script's parser: its module docstring as the help text (kept as written)."""
+    formatter = argparse.ArgumentDefaultsHelpFormatter if defaults else argparse.RawDescriptionHelpFormatter
+    return argparse.ArgumentParser(prog=prog, description=doc, formatter_class=formatter)
+
+
+def add_out(parser: argparse.ArgumentParser, default: str | Path | None = None) -> None:
+    """``--out``: where the JSON result goes (:func:`write_results`); none prints only."""
+    where = f" (default {default})" if default else ""
+    parser.add_argument("--out", type=Path, default=Path(default) if default else None, help=f"JSON result file{where}")
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine and software a number was measured on: CPU, cores, memory, GPUs, versions of
+    the libraries already imported, hsstore's commit, and the date (UTC)."""
+    info: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "nproc": os.cpu_count(),
+        "platform": platform.platform(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+    }
+    cpuinfo, meminfo = Path("/proc/cpuinfo"), Path("/proc/meminfo")
+    if cpuinfo.exists():
+        info["cpu"] = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")), platform.processor())
+    if meminfo.exists():
+        total = next((line.split()[1] for line in meminfo.read_text().splitlines() if line.startswith("MemTotal")), None)
+        info["mem_total_kib"] = int(total) if total else None
+    for name in ("hsstore", "torch", "transformers", "zarr", "numpy", "ray"):
+        module = sys.modules.get(name)  # only what the script imported: asking costs no import
+        if module is not None and hasattr(module, "__version__"):
+            info[name] = module.__version__
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    info["hsstore_commit"] = _commit()
+    return info
+
+
+def _commit() -> str | None:
+    try:
+        head = subprocess.run(["git", "-C", str(REPO_ROOT), "log", "-1", "--format=%h %cI"], capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--", "hsstore", "pipelines"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{head}{' (uncommitted changes)' if dirty else ''}" if head else None
+
+
+def write_results(path: str | Path | None, results: dict[str, Any], *, indent: int = 2) -> None:
+    """Write ``results`` as JSON to ``path`` (parents created); nothing when ``path`` is None."""
+    if path is None:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=indent, default=str) + "\n")
+
+
+def run_modes(argv: Sequence[str] | None, default: Callable[[list[str]], int], modes: dict[str, str], *, prog: str) -> int:
+    """A script's modes: ``prog MODE [args]`` runs ``main(args)`` of the module ``modes[MODE]``;
+    anything else is the script's own (default) run. ``prog modes`` lists them."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in modes:
+        module = importlib.import_module(modes[args[0]])
+        return module.main(args[1:])
+    if args[:1] == ["modes"]:
+        for name, module_name in modes.items():
+            doc = (importlib.import_module(module_name).__doc__ or "").strip().splitlines()
+            print(f"{prog} {name}: {doc[0] if doc else ''}")
+        return 0
+    return default(args)
