@@ -22,9 +22,9 @@ import pytest
 
 from hsstore import MissingDependencyError
 from hsstore.extras import EXTRA_OF_MODULE, import_optional
+from tests.support.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
-GOLDEN = ROOT / "tests" / "data" / "golden" / "zstd"
+GOLDEN = REPO_ROOT / "tests" / "data" / "golden" / "zstd"
 
 # What the base install lacks, made unimportable in a subprocess (a module that is not installed
 # raises the same ModuleNotFoundError).
@@ -95,7 +95,7 @@ def golden_store(tmp_path: Path) -> str:
 
 
 def test_the_store_reads_without_any_extra(golden_store: str) -> None:
-    out = _run(BLOCK_EXTRAS + READ_STORE, golden_store, cwd=ROOT)
+    out = _run(BLOCK_EXTRAS + READ_STORE, golden_store, cwd=REPO_ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("read ")
 
@@ -109,7 +109,7 @@ def test_the_console_script_names_the_extra_a_job_needs(golden_store: str) -> No
         (["inspect", golden_store, "--plots", str(Path(golden_store).parent / "plots")], "all"),
     ]
     argvs = [["--help"], ["info", golden_store], *(argv for argv, _ in jobs)]
-    out = _run(BLOCK_EXTRAS + RUN_CLI, json.dumps(argvs), cwd=ROOT)
+    out = _run(BLOCK_EXTRAS + RUN_CLI, json.dumps(argvs), cwd=REPO_ROOT)
     assert out.returncode == 0, out.stderr
     (help_status, _, _), (info_status, info, _), *job_results = json.loads(out.stdout)
     assert help_status == 0
@@ -141,7 +141,7 @@ def _requirement_names(extra: str, extras: dict[str, list[str]]) -> set[str]:
 
 
 def test_the_extras_table_matches_pyproject() -> None:
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
     base = {re.split(r"[\[<>=!~; ]", r, maxsplit=1)[0].lower() for r in project["dependencies"]}
     provided_by = {"botocore": "s3fs"}  # comes with s3fs (aiobotocore)
@@ -160,9 +160,9 @@ def test_a_fresh_venv_with_the_base_install_reads_a_store(tmp_path: Path, golden
     ``info`` and names the extra for ``train``."""
     source = tmp_path / "src"  # only what the wheel is built from: the checkout's other files stay out
     for name in ("hsstore", "pipelines"):
-        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(REPO_ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, source / name)
+        shutil.copy(REPO_ROOT / name, source / name)
     venv = tmp_path / "venv"
     started = time.perf_counter()
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
@@ -185,7 +185,7 @@ def test_a_fresh_venv_with_the_base_install_reads_a_store(tmp_path: Path, golden
     script = str(venv / "bin" / "hsstore")
     info = subprocess.run([script, "info", golden_store], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert info.returncode == 0 and "aux layers" in info.stdout, info.stderr
-    recipe = str(ROOT / "recipes" / "reference" / "train-eagle3.yaml")
+    recipe = str(REPO_ROOT / "recipes" / "reference" / "train-eagle3.yaml")
     train = subprocess.run([script, "train", recipe], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert train.returncode == 1 and "pip install 'hsstore[train]'" in train.stderr, train.stderr
     print(f"base install {installed:.1f}s, total {time.perf_counter() - started:.1f}s")

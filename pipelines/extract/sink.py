@@ -9,7 +9,7 @@ capture's pace layers of the next forward starts (:meth:`ShardSink.pace`). One 2
 device-to-host DMA (a 32k-token bf16 batch of an 8B target) slows the eager forward it overlaps by
 ~14 ms (1.4%): the link busy with the copy delays the forward's kernel launches, not its kernels (a
 CUDA-graph replay of the same forward is not slowed); four pieces spread over the forward cost
-nothing measurable (benchmarks/profile_copy_contention.py, RESULTS.md). A batch with no next
+nothing measurable (benchmarks/investigations/profile_copy_contention.py, benchmarks/LOG.md). A batch with no next
 forward in its unit is copied at once when the unit's forwards end (:meth:`flush_copies`).
 The copies land in a :class:`HostBufferPool`: pinned
 buffers allocated once per worker, as many as the queue can hold, so no batch allocates or pins

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.factories import REFERENCE_TARGET
+from tests.support.paths import REFERENCE_TARGET
 
 pytestmark = pytest.mark.slow
 
