@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO_ROOT, write_results
+from benchmarks.common import REPO_ROOT, run_modes, write_results
 
 CHAINS = (3, 5, 7)
 TREES = ((8, 5, 31), (10, 7, 60))
@@ -79,7 +79,7 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def main(argv: list[str] | None = None) -> int:
+def decode_settings(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -165,6 +165,16 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         write_results(args.out, results)
     return 0
+
+
+# Modes: ``python -m benchmarks.bench_evaluate MODE --help``; without a mode, :func:`decode_settings` runs.
+MODES = {
+    "reference-draft": "benchmarks.evaluate.reference_draft",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_modes(argv, decode_settings, MODES, prog="python -m benchmarks.bench_evaluate")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ seeds, finished answers dropped from the batch); the plain path is
 ``model.generate(input_ids, attention_mask, max_new_tokens=..., do_sample=False)`` per batch.
 Tokens counted are new tokens before the stop token (padding after it excluded), per path.
 
-    python benchmarks/bench_generate.py --quick                         # CPU smoke test (tiny model), seconds
-    python benchmarks/bench_generate.py --shape qwen3-8b --device cuda  # H200: Qwen3-8B shape, random bf16 weights
+    python -m benchmarks.bench_generate --quick                         # CPU smoke test (tiny model), seconds
+    python -m benchmarks.bench_generate --shape qwen3-8b --device cuda  # H200: Qwen3-8B shape, random bf16 weights
 
 writes ``benchmarks/results/generate-h200.json`` (``--out`` to change):
 ``{"hsstore_tokens_per_s", "plain_generate_tokens_per_s", "batch", ...}``.
@@ -26,9 +26,7 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
+from benchmarks.common import REPO_ROOT
 from pipelines.generate.engine import BatchGenerator, SamplingParams  # noqa: E402
 from pipelines.generate.prompts import Request  # noqa: E402
 
@@ -133,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-prompt", type=int, default=512)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2, help="timed passes per path, alternating; best kept")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "generate-h200.json"))
+    parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "generate-h200.json"))
     parser.add_argument(
         "--quick", action="store_true", help="CPU smoke: tiny shape, 16 prompts of 8-32 tokens, batch 8, 8 new tokens, 1 pass"
     )

@@ -451,6 +451,7 @@ def format_table(results: dict[str, Any]) -> str:
 MODES = {
     "ab": "benchmarks.train.ab",
     "profile": "benchmarks.train.profile_step",
+    "eagle31": "benchmarks.train.eagle31",
 }
 
 

@@ -15,15 +15,15 @@ loads through ``load_draft``) on the same held-out prompts and a held-out store:
 
 Modes:
 
-    python benchmarks/bench_vs_specforge.py reference --device cuda --steps 1000 --section reference_gpu
-    python benchmarks/bench_vs_specforge.py reference --device cpu --steps 200 --max-length 512 \
+    python -m benchmarks.bench_vs_specforge reference --device cuda --steps 1000 --section reference_gpu
+    python -m benchmarks.bench_vs_specforge reference --device cpu --steps 200 --max-length 512 \
         --token-budget 1024 --section reference_cpu
-    python benchmarks/bench_vs_specforge.py qwen3-8b --device cuda --steps 30     # speed only
+    python -m benchmarks.bench_vs_specforge qwen3-8b --device cuda --steps 30     # speed only
 
 ``--out`` (default benchmarks/results/vs-specforge.json) is updated in place: only ``--section``'s
 key is replaced. SpecForge runs as a user would run it, in a subprocess; what it needs on a CPU
 (an eager loss instead of its Triton kernel, no FSDP sharding) is a shim in
-``benchmarks/specforge_peer.py``, stated there. It is installed with
+``benchmarks/specforge/peer.py``, stated there. It is installed with
 ``pip install --no-deps specforge==0.2.0`` (it pins torch and sglang, which its offline path does
 not import); its other imports are listed in that module's docstring.
 """
@@ -44,13 +44,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from benchmarks.common import REPO_ROOT
 
-REFERENCE_TARGET = REPO / "examples" / "reference-target"
-SHARED_DATA = REPO.parent / "shared" / "data"
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "vs-specforge.json"
+REFERENCE_TARGET = REPO_ROOT / "examples" / "reference-target"
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "vs-specforge.json"
 HELDOUT_FRACTION = 0.1
 REFERENCE_AUX = [2, 4, 5]
 
@@ -250,8 +248,8 @@ def reference_paths(args: argparse.Namespace) -> dict[str, Path]:
 
 def default_data(args: argparse.Namespace) -> tuple[Path, Path]:
     shared_train, shared_eval = SHARED_DATA / "draft_train.jsonl", SHARED_DATA / "eval_prompts.jsonl"
-    data = Path(args.data) if args.data else (shared_train if shared_train.exists() else REPO / "examples" / "data" / "draft_train_slice.jsonl")
-    prompts = Path(args.eval_prompts) if args.eval_prompts else (shared_eval if shared_eval.exists() else REPO / "examples" / "data" / "eval_prompts.jsonl")
+    data = Path(args.data) if args.data else (shared_train if shared_train.exists() else REPO_ROOT / "examples" / "data" / "draft_train_slice.jsonl")
+    prompts = Path(args.eval_prompts) if args.eval_prompts else (shared_eval if shared_eval.exists() else REPO_ROOT / "examples" / "data" / "eval_prompts.jsonl")
     return data, prompts
 
 
@@ -261,7 +259,7 @@ def stage_prepare(args: argparse.Namespace) -> dict[str, Any]:
     step, hsstore packed rows of ``--token-budget`` tokens), so they see the same data; the steps
     differ by the packing."""
     import hsstore
-    from benchmarks.specforge_peer import hsstore_sample_order
+    from benchmarks.specforge.peer import hsstore_sample_order
     from pipelines.export.features import export_features
 
     paths = reference_paths(args)
@@ -300,7 +298,7 @@ def store_plan_rows(store: Any, args: argparse.Namespace, seed: int, epoch: int)
 
 
 def stage_train(args: argparse.Namespace, trainer: str) -> None:
-    from benchmarks.specforge_peer import train_specforge
+    from benchmarks.specforge.peer import train_specforge
 
     paths = reference_paths(args)
     plan = json.loads(paths["plan"].read_text())
@@ -498,7 +496,7 @@ def steady_tokens_per_s(metrics: Path, skip_steps: int) -> float:
 
 
 def run_speed(args: argparse.Namespace) -> dict[str, Any]:
-    from benchmarks.specforge_peer import train_specforge
+    from benchmarks.specforge.peer import train_specforge
     from pipelines.export.features import export_features
 
     work = Path(args.workdir)

@@ -86,7 +86,11 @@ def run_modes(argv: Sequence[str] | None, default: Callable[[list[str]], int], m
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in modes:
         module = importlib.import_module(modes[args[0]])
-        return module.main(args[1:])
+        program, sys.argv[0] = sys.argv[0], f"{prog} {args[0]}"  # what the mode's --help shows
+        try:
+            return module.main(args[1:])
+        finally:
+            sys.argv[0] = program
     if args[:1] == ["modes"]:
         for name, module_name in modes.items():
             doc = (importlib.import_module(module_name).__doc__ or "").strip().splitlines()

@@ -5,7 +5,7 @@
 # the .gpu/whl wheels (zarr, crc32c, pydantic, ...: build .gpu/ first), into the ignored .gpu-s3/whl.
 #   bash tools/gpu_s3_wheels.sh        # ~45 MB; then, in a device call carrying [".gpu-s3"]:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-s3/whl/*.whl
-#   PYTHONPATH=/tmp/site:$PWD python -m benchmarks.bench_object_store --tokens 98304 --endpoint-processes 8 --out $OUT/os.json
+#   PYTHONPATH=/tmp/site:$PWD python3 -m benchmarks.bench_object_store --tokens 98304 --endpoint-processes 8 --out $OUT/os.json
 # (The tree with examples/reference-target's weights plus these is over a call's 64 MiB: move the
 # weights out for the call and back after.) Checked here: a Python 3.12 venv holding only the image's
 # packages that the benchmark imports (numpy, pyarrow, aiohttp, werkzeug, jinja2, click, packaging,

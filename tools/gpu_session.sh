@@ -38,18 +38,18 @@ setup-and-extract)
       --set device=cuda --set log_every=50 2>&1 | grep -v "^train draft" | tail -n 6 | tee "$OUT/train.txt"
   hs export "$WORK/ref-eagle3/checkpoints/final" --format eagle3 --out "$OUT/export-eagle3" 2>&1 | tail -n 2
   tail -n 3 "$WORK/ref-eagle3/metrics.jsonl" > "$OUT/train_metrics_tail.jsonl"
-  python -m benchmarks.bench_extract --models reference,qwen3-8b --out "$OUT/bench_extract.json" 2>&1 | tail -n 30
+  python3 -m benchmarks.bench_extract --models reference,qwen3-8b --out "$OUT/bench_extract.json" 2>&1 | tail -n 30
   ;;
 write-extract-train)
   mkdir -p "$WORK/write" "$WORK/extract"
   [ -f "$WORK/draft_train.jsonl" ] || gunzip -c .bench/draft_train.jsonl.gz > "$WORK/draft_train.jsonl"
   export HSSTORE_TRAIN_DATA="$WORK/draft_train.jsonl"
-  python -m benchmarks.bench_store shard-write --hidden 4096 --tokens 65536 --shard-chunks 0 64 --repeats 1 --dir "$WORK/write" --out "$OUT/bench_shard_write.json" 2>&1 | tail -n 8
-  python -m benchmarks.bench_extract --models ${EXTRACT_MODELS:-reference,qwen3-8b} --store-dir "$WORK/extract" --out "$OUT/bench_extract.json" 2>&1 | tail -n 6
-  python -m benchmarks.bench_train --device cuda ${TRAIN_ARGS:-} --out "$OUT/bench_train.json" 2>&1 | tail -n 30
+  python3 -m benchmarks.bench_store shard-write --hidden 4096 --tokens 65536 --shard-chunks 0 64 --repeats 1 --dir "$WORK/write" --out "$OUT/bench_shard_write.json" 2>&1 | tail -n 8
+  python3 -m benchmarks.bench_extract --models ${EXTRACT_MODELS:-reference,qwen3-8b} --store-dir "$WORK/extract" --out "$OUT/bench_extract.json" 2>&1 | tail -n 6
+  python3 -m benchmarks.bench_train --device cuda ${TRAIN_ARGS:-} --out "$OUT/bench_train.json" 2>&1 | tail -n 30
   ;;
 evaluate)
-  python -m benchmarks.bench_evaluate --draft "${DRAFT:?}" --device cuda --prompts "${PROMPTS:-examples/data/eval_prompts.jsonl}" \
+  python3 -m benchmarks.bench_evaluate --draft "${DRAFT:?}" --device cuda --prompts "${PROMPTS:-examples/data/eval_prompts.jsonl}" \
       ${EVAL_ARGS:-} --out "$OUT/bench_evaluate_h200.json" 2>&1 | tail -n 30
   python3 -m pytest -q -m gpu tests 2>&1 | tail -n 5
   ;;
@@ -67,22 +67,22 @@ extract-ray)
   #   EXTRACT_RAY_ARGS="--gpus 1 --split-gpus 1 --tokens 1300000 --runs bf16-1,bf16-1-local --bare-after"
   # Why the CLI path (93-94% of bare) trails bench_extract.py's in-process ABBA (96.7-97.0%): run the
   # latter on the CLI's batch plan (length-sorted windows) in the same call, e.g. before the above:
-  #   python -m benchmarks.bench_extract --models qwen3-8b --codec bf16 --no-attention-mask \
+  #   python3 -m benchmarks.bench_extract --models qwen3-8b --codec bf16 --no-attention-mask \
   #       --tokens 786432 --repeats 2 --gpu-timeline --sort-window-tokens 4194304 --out $OUT/abba-sorted.json
   # (11:09 UTC: 95.0% with sorted batches; the forwards' excess was the copies' burst, now paced.)
   # What a copy beside a forward costs it, variant by variant (RESULTS.md, 11:18-11:50 UTC):
-  #   python -m benchmarks.investigations.profile_copy_contention --cycles 7 --out $OUT/copy-contention.json
+  #   python3 -m benchmarks.investigations.profile_copy_contention --cycles 7 --out $OUT/copy-contention.json
   # The bare forward between the runs (each run against the bare passes beside it; RESULTS.md,
   # 18:00-18:33 UTC: the gap was a fixed ~1.5 s per run before the GPU's first forward; /dev/shm
   # made no difference). After the compute-thread and warm-up changes, check gpu_head_seconds, and
   # read the traced run's first batches (profiler.dir; $OUT/traces) with bench_extract's trace mode:
   #   EXTRACT_RAY_ARGS="--gpus 1 --split-gpus 1 --tokens 1000000 --disk-gib 1 --deadline-s 430 --sequence bare,fp8-1,bare,bf16-1,bare,fp8-1-trace"
-  #   then, here: python -m benchmarks.bench_extract trace <files_at>/traces/extract-*.pt.trace.json.gz
+  #   then, here: python3 -m benchmarks.bench_extract trace <files_at>/traces/extract-*.pt.trace.json.gz
   # At the issue's 2.4M tokens, fp8 only on one H200 (its store is ~39 GB; bf16's 79 GB does not fit
   # the 64 GiB disk), where a fixed ~1.5 s per run weighs 2% instead of 5%:
   #   EXTRACT_RAY_ARGS="--gpus 1 --split-gpus 1 --tokens 2400000 --disk-gib 1 --deadline-s 430 --sequence bare,fp8-1,bare"
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c 'import torch, transformers, sys; print(sys.version.split()[0], torch.__version__, transformers.__version__)'; nproc; df -h /tmp | tail -n 1; } | tee "$OUT/machine.txt"
-  python -m benchmarks.bench_extract ray run --out "$OUT" --work /tmp/hsstore-work/extract-ray ${EXTRACT_RAY_ARGS:-} 2>&1 | tail -n 40
+  python3 -m benchmarks.bench_extract ray run --out "$OUT" --work /tmp/hsstore-work/extract-ray ${EXTRACT_RAY_ARGS:-} 2>&1 | tail -n 40
   # The GPU-marked tests of this work (GPU fp8 encode == CPU bits, the pinned pool, a 2-GPU split).
   timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/hsstore/test_codecs_encode_torch.py tests/pipelines/extract/test_sink.py tests/pipelines/extract/test_warm_up.py tests/pipelines/extract/test_placement.py 2>&1 | tail -n 4 | tee "$OUT/gpu-tests.txt"
   ;;

@@ -1,4 +1,4 @@
-"""benchmarks/bench_reference_draft.py at a tiny size: three exported (untrained) drafts decode a
+"""``python -m benchmarks.bench_evaluate reference-draft`` at a tiny size: three exported (untrained) drafts decode a
 prompt, and the report holds the keys issue 28 names (the numbers are measured in RESULTS.md)."""
 
 from __future__ import annotations
@@ -28,18 +28,19 @@ def export_untrained(folder: Path, seed: int) -> None:
 
 
 def test_the_ladder_decodes_every_rung_and_reports_the_issue_keys(tmp_path: Path) -> None:
-    from benchmarks import bench_reference_draft
+    from benchmarks import bench_evaluate
+    from benchmarks.evaluate.reference_draft import RUNGS
 
-    for seed, rung in enumerate(bench_reference_draft.RUNGS):
+    for seed, rung in enumerate(RUNGS):
         export_untrained(tmp_path / f"export-{rung}", seed)
         (tmp_path / f"export-{rung}" / "metrics.jsonl").write_text(
             json.dumps({"step": 5, "loss": 3.0}) + "\n" + json.dumps({"step": 6, "loss": 2.5}) + "\n"
         )
         (tmp_path / f"export-{rung}" / "store-info.txt").write_text("store      x\nsamples    1,234\ntokens     56,789\n")
     common = ["--drafts", str(tmp_path), "--limit", "1", "--max-new-tokens", "4"]
-    assert bench_reference_draft.main(common) == 0
+    assert bench_evaluate.main(["reference-draft", *common]) == 0
     out = tmp_path / "reference-draft.json"
-    assert bench_reference_draft.main([*common, "--report", "--out", str(out)]) == 0
+    assert bench_evaluate.main(["reference-draft", *common, "--report", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     for key in ("al_tree_t0", "al_chain5_t0", "al_tree_t1", "raw_data_al_tree_t0"):
         assert report[key] >= 1.0

@@ -1,4 +1,4 @@
-"""SpecForge 0.2.0's own offline trainer, driven by benchmarks/specforge_peer.py, on the reference
+"""SpecForge 0.2.0's own offline trainer, driven by benchmarks/specforge/peer.py, on the reference
 target's real features: it trains from hsstore's draft config and vocabulary, its export loads
 through hsstore's ``load_draft`` with the same ``d2t``/``t2d``, and the data order we hand it is the
 order its sampler visits.
@@ -8,10 +8,8 @@ specforge==0.2.0 accelerate``)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,25 +20,13 @@ from safetensors.torch import load_file
 pytest.importorskip("specforge", reason="SpecForge is not installed (pip install --no-deps specforge==0.2.0)")
 pytest.importorskip("accelerate", reason="SpecForge's trainer imports accelerate (pip install accelerate)")
 
+from benchmarks.specforge import peer  # noqa: E402
 from pipelines.export.serving import export_draft  # noqa: E402
 from pipelines.models.checkpoint import load_draft  # noqa: E402
 from pipelines.train import TrainRecipe, run_training  # noqa: E402
 from tests.support.paths import REFERENCE_TARGET  # noqa: E402
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "specforge_peer.py"
 NUM_SAMPLES = 8
-
-
-def _load_peer():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("specforge_peer", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["specforge_peer"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-peer = _load_peer()
 
 
 @pytest.fixture(scope="module")
@@ -180,11 +166,9 @@ def _specforge_step_sums(draft: Any, config_path: Path, raw: dict[str, torch.Ten
     times B*T, undoing its per-position mean)."""
     import json as json_module
 
-    shims = importlib.util.spec_from_file_location("specforge_shims", SCRIPT.with_name("specforge_shims.py"))
-    assert shims is not None and shims.loader is not None
-    module = importlib.util.module_from_spec(shims)
-    shims.loader.exec_module(module)
-    module._install_cpu_loss()  # no Triton on the CPU
+    from benchmarks.specforge import shims
+
+    shims._install_cpu_loss()  # no Triton on the CPU
     from specforge.algorithms.eagle3.data import normalize_offline_sample
     from specforge.algorithms.eagle3.model import OnlineEagle3Model
     from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3

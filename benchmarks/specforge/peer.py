@@ -14,7 +14,7 @@ transformers 5.24) plus what that path imports: ``accelerate`` (its ``set_seed``
 (imported by ``specforge/data/utils.py``; with ``dill`` and ``multiprocess``), ``pydantic``,
 ``pyyaml``, ``safetensors``, ``huggingface_hub``, ``numpy``, ``tqdm`` and, on CUDA, ``triton``
 (its loss kernel).
-``benchmarks/specforge_gpu_wheels.sh`` fetches what the GPU image lacks.
+``tools/specforge_gpu_wheels.sh`` fetches what the GPU image lacks.
 
 What is mapped, and how (hsstore recipe key -> SpecForge config key):
 
@@ -57,7 +57,7 @@ Shims (only where SpecForge cannot run otherwise; reported in the result's ``shi
   whose loss mask is shifted left by two, so that it scores the positions hsstore scores
   (docs/vs-specforge.md, item 1).
 
-The code shims live in ``benchmarks/specforge_shims.py``, the script the subprocess runs when a
+The code shims live in ``benchmarks/specforge/shims.py``, the script the subprocess runs when a
 shim is needed (it applies them, then calls ``specforge.cli.main``).
 
 On CUDA with SpecForge-compatible optimizer knobs nothing is patched: ``python -m specforge.cli``.
@@ -78,8 +78,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, however this one is loaded
-from specforge_data import (  # noqa: E402
+from benchmarks.specforge.data import (
     SpecForgeRunError,
     aligned_loss_mask_copy,
     feature_files,
@@ -104,7 +103,7 @@ _OUR_ENTRIES = {"specforge.yaml", "train", "export", "ordered_features", "aligne
 _RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 RUN_ID = "specforge-run"
 ALIGNED_LOSS_MASK_SHIM = "aligned-loss-mask: loss_mask shifted left by two in a copy of the features"
-SHIMS_SCRIPT = Path(__file__).resolve().with_name("specforge_shims.py")  # runs in the subprocess
+SHIMS_SCRIPT = Path(__file__).resolve().with_name("shims.py")  # runs in the subprocess, as a script
 _STEP_LINE = re.compile(r"^step (\d+): (\{.*\})\s*$")
 
 

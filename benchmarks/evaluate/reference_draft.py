@@ -1,15 +1,15 @@
 """The reference draft's ladder (issue 28): acceptance length of drafts trained at equal steps on
 the raw records, on the target's greedy answers and on its temperature-1 answers.
 
-Each rung's draft is an eagle3 export (``benchmarks/gpu_reference_draft.sh train`` writes
+Each rung's draft is an eagle3 export (``tools/gpu_reference_draft.sh train`` writes
 ``export-raw``, ``export-greedy`` and ``export-t1`` with the training's ``metrics.jsonl`` and the
 store's ``hsstore info`` beside each). Every draft decodes the same held-out prompts
 (``examples/data/eval_prompts.jsonl``: continuations of files reserved from training) against the
 reference target in float32, with the same three settings: a chain of 5 and the EAGLE-2 tree
 8/5/31 at temperature 0, and the tree at temperature 1 (lossless rejection sampling, seed 0).
 
-    python benchmarks/bench_reference_draft.py --drafts runs/drafts --rungs raw      # one process per rung
-    python benchmarks/bench_reference_draft.py --drafts runs/drafts --report         # merge, write the JSON
+    python -m benchmarks.bench_evaluate reference-draft --drafts runs/drafts --rungs raw      # one process per rung
+    python -m benchmarks.bench_evaluate reference-draft --drafts runs/drafts --report         # merge, write the JSON
 
 writes ``benchmarks/results/reference-draft.json``: ``{"al_tree_t0", "al_chain5_t0", "al_tree_t1",
 "raw_data_al_tree_t0", "steps", "train_records", "ladder": {rung: {...}}}`` (the first three are the
@@ -22,13 +22,11 @@ import argparse
 import json
 import platform
 import re
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from benchmarks.common import REPO_ROOT
 
 RUNGS = ("raw", "greedy", "t1")
 SETTINGS = [
@@ -96,13 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--report", action="store_true", help="merge the rungs' results into --out")
     parser.add_argument("--shipped", default="greedy", help="the rung shipped as examples/reference-draft")
-    parser.add_argument("--target", type=Path, default=REPO / "examples" / "reference-target")
-    parser.add_argument("--prompts", type=Path, default=REPO / "examples" / "data" / "eval_prompts.jsonl")
+    parser.add_argument("--target", type=Path, default=REPO_ROOT / "examples" / "reference-target")
+    parser.add_argument("--prompts", type=Path, default=REPO_ROOT / "examples" / "data" / "eval_prompts.jsonl")
     parser.add_argument("--limit", type=int, default=50)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--trained-on", default="one NVIDIA H200 (lent)")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "reference-draft.json")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "reference-draft.json")
     args = parser.parse_args(argv)
 
     if not args.report:
@@ -138,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_tree_t0_vs_raw": round(shipped["al_tree_t0"] / raw["al_tree_t0"], 3),
         "ladder": ladder,
         "eval": {
-            "prompts": str(args.prompts.relative_to(REPO)) if args.prompts.is_relative_to(REPO) else str(args.prompts),
+            "prompts": str(args.prompts.relative_to(REPO_ROOT)) if args.prompts.is_relative_to(REPO_ROOT) else str(args.prompts),
             "limit": args.limit,
             "max_new_tokens": args.max_new_tokens,
             "settings": SETTINGS,
@@ -153,6 +151,3 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(report, indent=2))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

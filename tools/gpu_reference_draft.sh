@@ -6,10 +6,10 @@
 #   python3 -m pipelines.generate.source_prompts --out runs/source-prompts.jsonl --max-files 4000
 #   python3 -m pipelines.generate.source_prompts --out runs/source-raw.jsonl --max-files 4000 --human-answers 2000
 #   mkdir -p .gpu-data && xz -9 -c runs/source-prompts.jsonl > .gpu-data/source-prompts.jsonl.xz (and source-raw)
-#   bash benchmarks/gpu_reference_draft.sh generate   # greedy and T=1 answers side by side, then generate-h200.json
+#   bash tools/gpu_reference_draft.sh generate   # greedy and T=1 answers side by side, then generate-h200.json
 #   (bring the two generated datasets back into .gpu-data/, then)
-#   bash benchmarks/gpu_reference_draft.sh train      # extract the three rungs, train each at equal steps, export
-# The acceptance lengths are then measured on the CPU (benchmarks/bench_reference_draft.py).
+#   bash tools/gpu_reference_draft.sh train      # extract the three rungs, train each at equal steps, export
+# The acceptance lengths are then measured on the CPU (python3 -m benchmarks.bench_evaluate reference-draft).
 set -uo pipefail
 stage=${1:?stage}
 OUT=${OUT:-/tmp/reference-draft-out}
@@ -40,7 +40,7 @@ case "$stage" in
     wait
     tail -n 12 "$OUT"/generate-*.log
     for rung in greedy t1; do tar cJf "$OUT/gen-$rung.tar.xz" -C "$W" "gen-$rung"; done
-    timeout "${BENCH_SECONDS:-170}" python3 benchmarks/bench_generate.py --shape qwen3-8b --device cuda \
+    timeout "${BENCH_SECONDS:-170}" python3 -m benchmarks.bench_generate --shape qwen3-8b --device cuda \
       --out "$OUT/generate-h200.json" 2>&1 | tail -n 30 ;;
   train)
     # Each rung's data: by default the two generated datasets and the raw records (the bundled

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # bench_vs_specforge.py on the lent H200, in stages that each fit one 10-minute device call.
 # Carry [".gpu/whl", ".gpu-specforge"]: hsstore's small wheels (../shared/gpu/make-bundle.sh; Ray is
-# not needed: extraction runs in process) and what benchmarks/specforge_gpu_wheels.sh fetched, plus
+# not needed: extraction runs in process) and what tools/specforge_gpu_wheels.sh fetched, plus
 # the data, gzipped (../shared does not travel; a call carries at most 64 MiB):
 #   gzip -c ../shared/data/draft_train.jsonl > .gpu-specforge/draft_train.jsonl.gz (and eval_prompts)
-#   bash benchmarks/gpu_vs_specforge.sh reference-seed0    # stores, features, both trainers' seed 0 alone
-#   bash benchmarks/gpu_vs_specforge.sh reference-seeds    # seeds 1 and 2 of both, side by side; held-out accuracy
-#   bash benchmarks/gpu_vs_specforge.sh speed-8b           # Qwen3-8B shape, rows of 8,192 tokens (no reference target needed)
+#   bash tools/gpu_vs_specforge.sh reference-seed0    # stores, features, both trainers' seed 0 alone
+#   bash tools/gpu_vs_specforge.sh reference-seeds    # seeds 1 and 2 of both, side by side; held-out accuracy
+#   bash tools/gpu_vs_specforge.sh speed-8b           # Qwen3-8B shape, rows of 8,192 tokens (no reference target needed)
 # What comes back (under $OUT): the per-run JSON, the exported drafts (for decoding elsewhere), logs.
 set -uo pipefail
 stage=${1:?stage}
@@ -23,7 +23,7 @@ for name in draft_train eval_prompts; do
   [ -f "$W/$name.jsonl" ] || gunzip -c ".gpu-specforge/$name.jsonl.gz" > "$W/$name.jsonl"
 done
 bench() {
-  python3 benchmarks/bench_vs_specforge.py reference --device cuda --workdir "$W" --epochs "$EPOCHS" \
+  python3 -m benchmarks.bench_vs_specforge reference --device cuda --workdir "$W" --epochs "$EPOCHS" \
     --data "$W/draft_train.jsonl" --eval-prompts "$W/eval_prompts.jsonl" "$@"
 }
 collect() {  # at most 8 files of 16 MiB come back: one results archive, one archive of drafts per seed
@@ -49,7 +49,7 @@ case "$stage" in
     bench --stage heldout 2>&1 | grep -v Warning | tail -8
     collect ;;
   speed-8b)
-    python3 benchmarks/bench_vs_specforge.py qwen3-8b --device cuda --workdir /tmp/vs-specforge-8b \
+    python3 -m benchmarks.bench_vs_specforge qwen3-8b --device cuda --workdir /tmp/vs-specforge-8b \
       --steps "${STEPS:-40}" --token-budget 8192 --out "$OUT/vs-specforge-8b.json" 2>&1 | grep -v Warning | tail -30 ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

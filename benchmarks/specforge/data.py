@@ -1,4 +1,4 @@
-"""SpecForge's offline feature layout, as ``benchmarks/specforge_peer.py`` hands it to SpecForge.
+"""SpecForge's offline feature layout, as ``benchmarks/specforge/peer.py`` hands it to SpecForge.
 
 Files (``rows_<g>-<g+5000>/data_<i>.ckpt``), their lengths, the vocabulary mapping file, views that
 make SpecForge's shuffling sampler visit a given order, loss-mask-aligned copies, and a stand-in

@@ -16,12 +16,12 @@ bundled training records (N of them, local executor).
 
 CPU, small (minutes on 2 cores)::
 
-    python benchmarks/bench_eagle31.py --extract-limit 40 --steps 60 --limit 8 --max-new-tokens 48 \
+    python -m benchmarks.bench_train eagle31 --extract-limit 40 --steps 60 --limit 8 --max-new-tokens 48 \
         --store runs/eagle31-store --workdir runs/eagle31 --out benchmarks/results/eagle31-cpu.json
 
 CUDA (one GPU; the store extracted beforehand, or add --extract-limit 160)::
 
-    python benchmarks/bench_eagle31.py --device cuda --steps 600 --limit 50 --max-new-tokens 128 \
+    python -m benchmarks.bench_train eagle31 --device cuda --steps 600 --limit 50 --max-new-tokens 128 \
         --workdir runs/eagle31 --out benchmarks/results/eagle31.json
 """
 
@@ -35,8 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+from benchmarks.common import REPO_ROOT
 
 VARIANTS = {"eagle3": (False, False), "eagle31": (True, True)}  # name -> (fc_norm, norm_output)
 TREE = {"draft_top_k": 8, "draft_depth": 5, "total_draft_tokens": 31, "temperature": 0.0}
@@ -182,6 +181,3 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: v for k, v in results.items() if k.endswith("_t0") or k == "steps"}))
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

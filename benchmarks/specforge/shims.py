@@ -1,8 +1,8 @@
-"""Run SpecForge's own CLI after the shims ``benchmarks/specforge_peer.py`` asked for.
+"""Run SpecForge's own CLI after the shims ``benchmarks/specforge/peer.py`` asked for.
 
-``python benchmarks/specforge_shims.py --shims JSON <specforge CLI arguments>``: the subprocess
+``python benchmarks/specforge/shims.py --shims JSON <specforge CLI arguments>``: the subprocess
 ``train_specforge`` starts when SpecForge cannot run unpatched (the CPU, or hsstore's optimizer
-knobs). Each shim is stated in ``specforge_peer``'s docstring; nothing else of SpecForge changes.
+knobs). Each shim is stated in ``benchmarks.specforge.peer``'s docstring; nothing else of SpecForge changes.
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ def _install_optimizer(betas: Sequence[float], weight_decay: float, min_lr_ratio
 
 
 def _main(argv: list[str]) -> int:
-    """``specforge_peer.py --shims JSON train -c CONFIG``: apply the shims, run SpecForge's CLI."""
+    """``shims.py --shims JSON train -c CONFIG``: apply the shims, run SpecForge's CLI."""
     if argv[:1] != ["--shims"]:
-        raise SystemExit("usage: specforge_shims.py --shims JSON <specforge CLI arguments>")
+        raise SystemExit("usage: shims.py --shims JSON <specforge CLI arguments>")
     shims = json.loads(argv[1])
     if shims.get("cpu-loss"):
         _install_cpu_loss()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Wheels for running SpecForge 0.2.0's offline EAGLE-3 trainer (benchmarks/specforge_peer.py) on the
+# Wheels for running SpecForge 0.2.0's offline EAGLE-3 trainer (benchmarks/specforge/peer.py) on the
 # lent GPU machine, whose image (KINDS.md's package list: torch 2.11, triton 3.6, transformers 5.17,
 # accelerate, pyyaml, safetensors, huggingface-hub, numpy, pandas, pyarrow, xxhash, fsspec, tqdm,
 # psutil) lacks what SpecForge's offline path imports beyond it:
@@ -11,7 +11,7 @@
 #     them, since two versions of one package stop the whole install.
 # Found by recording every module a CPU run of `specforge train` imported (boto3, httpx2, trio and
 # dill-through-torch are optional imports of accelerate/huggingface_hub/torch, not needed there).
-#   bash benchmarks/specforge_gpu_wheels.sh      # -> .gpu-specforge/whl (3.7 MB with the pydantic wheels, 1.3 MB without)
+#   bash tools/specforge_gpu_wheels.sh      # -> .gpu-specforge/whl (3.7 MB with the pydantic wheels, 1.3 MB without)
 # Then, in a device call carrying [".gpu", ".gpu-specforge"] (or only .gpu-specforge):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 #     --target /tmp/site .gpu-specforge/whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
