@@ -7,8 +7,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-STORAGE = REPO / "hsstore" / "storage"
+from tests.support.paths import REPO_ROOT
+
+STORAGE = REPO_ROOT / "hsstore" / "storage"
 # Tests of the backend's type or filesystem: what is_local was, in its other spellings.
 BACKEND_TESTS = re.compile(
     r"\bis_local\b|\bis_remote\b|\bcommit_guard\b|\bLocalFileSystem\b"
@@ -20,12 +21,12 @@ BACKEND_TESTS = re.compile(
 def test_no_module_outside_storage_asks_which_backend_it_is_on() -> None:
     found = []
     for folder in ("hsstore", "pipelines", "benchmarks", "tests", "tools"):
-        for path in sorted((REPO / folder).rglob("*.py")):
+        for path in sorted((REPO_ROOT / folder).rglob("*.py")):
             if STORAGE in path.parents or path == Path(__file__).resolve():
                 continue
             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
                 if BACKEND_TESTS.search(line):
-                    found.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+                    found.append(f"{path.relative_to(REPO_ROOT)}:{number}: {line.strip()}")
     assert found == [], "ask the backend for a capability instead (hsstore/storage/base.py):\n" + "\n".join(found)
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.paths import REPO_ROOT
+
 
 @pytest.mark.slow
 def test_demo_end_to_end_reaches_acceptance_above_one(tmp_path):
@@ -37,7 +39,7 @@ def test_demo_end_to_end_reaches_acceptance_above_one(tmp_path):
     assert f"{results['settings'][0]['acceptance_length']:.2f}" in out.stdout
 
 
-REFERENCE_DRAFT = Path(__file__).resolve().parents[3] / "examples" / "reference-draft"
+REFERENCE_DRAFT = REPO_ROOT / "examples" / "reference-draft"
 
 
 @pytest.mark.slow
