@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.factories import REFERENCE_TARGET, REPO_ROOT
 from tests.pipelines.extract.conftest import MIXED_RECORDS, write_jsonl
 from tests.pipelines.extract.helpers import make_recipe
+from tests.support.paths import REFERENCE_TARGET, REPO_ROOT
 
 # The extraction modules that run the target: none of them may load while planning.
 MODEL_SIDE_MODULES = [
