@@ -16,7 +16,7 @@ and the committer keeps the first record per id, a unit run twice is committed o
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -81,8 +81,11 @@ class _WorkerActor:
     def __init__(self, spec: Any, worker_class: Callable[[Any], Any] = ExtractionWorker):
         self.worker = worker_class(spec)
 
-    def run_unit(self, unit: Any) -> Any:
-        return self.worker.run_unit(unit)
+    def run_unit(self, unit: Any) -> tuple[str, Any]:
+        """The unit's result and the Ray node that ran it (a restarted actor may run elsewhere)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), self.worker.run_unit(unit)
 
     def pid(self) -> int:
         import os
@@ -114,6 +117,8 @@ class RayExecutor:
             ) from err
 
         self.settings = settings
+        # Units whose result came back, by the Ray node id that ran them (the run summary's).
+        self.units_by_node: Counter[str] = Counter()
         self._started_ray = False
         if not ray.is_initialized():
             ray.init(address=settings.address, include_dashboard=False, log_to_driver=True)
@@ -138,8 +143,12 @@ class RayExecutor:
         actor_class = ray.remote(_WorkerActor).options(
             num_cpus=settings.num_cpus_per_worker,
             num_gpus=num_gpus,
+            resources=dict(settings.resources_per_worker) or None,
             max_restarts=settings.max_restarts,
             max_task_retries=settings.max_task_retries,
+            # Over the nodes, not packed onto the first one with room: a multi-node cluster's
+            # CPU actors use every node, and a node lost takes as few actors as it can.
+            scheduling_strategy="SPREAD",
             # Two threads: a unit finishing its shard overlaps the next unit's forwards.
             max_concurrency=UNITS_IN_FLIGHT,
         )
@@ -176,7 +185,7 @@ class RayExecutor:
             ref = ready[0]
             actor, unit = in_flight.pop(ref)
             try:
-                result = ray.get(ref)
+                node_id, result = ray.get(ref)
             except RayTaskError as err:
                 if isinstance(err.cause, HsstoreError):
                     # The worker's own error already names the unit (or the shard), and keeps
@@ -191,6 +200,7 @@ class RayExecutor:
                     f"max_restarts={self.settings.max_restarts} times ({err}); rerun the same "
                     "recipe to resume"
                 ) from err
+            self.units_by_node[node_id] += 1
             on_result(result)
             submit(actor)
 

@@ -216,6 +216,12 @@ class RaySection(RecipeModel):
     num_gpus_per_worker: float | None = Field(
         None, ge=0, description="default 1 when the cluster has GPUs, else 0"
     )
+    resources_per_worker: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom Ray resources each actor needs, e.g. {extract_node: 1}: actors then go "
+        "only to nodes started with `ray start --resources '{\"extract_node\": N}'` (N actors each); "
+        "empty: any node with the CPUs/GPUs",
+    )
     units_in_flight_per_worker: int = Field(
         2, ge=1, description="units queued per actor, so an actor never waits for the driver"
     )

@@ -36,6 +36,8 @@ class ExtractionSummary:
     wall_seconds: float = 0.0
     extract_seconds: float = 0.0
     num_workers: int = 0
+    # Units this run extracted, by the Ray node (node id) whose actor ran them; empty in process.
+    units_by_node: dict[str, int] = field(default_factory=dict)
     # Summed over units: the shard writer threads' busy time (encode on CPU, checks, appends) and
     # their time waiting for device-to-host copies.
     writer_busy_seconds: float = 0.0
@@ -147,6 +149,9 @@ class ExtractionSummary:
             f"(first unit after {self.head_seconds:.1f} s, last shard done {self.tail_seconds:.1f} s "
             "after its forwards)",
         ]
+        if len(self.units_by_node) > 1:
+            counts = ", ".join(f"{node[:8]} {n}" for node, n in sorted(self.units_by_node.items()))
+            lines.append(f"ray nodes        {len(self.units_by_node)} ran units (units per node id: {counts})")
         if self.gpu_forward_seconds:
             lines.append(
                 f"GPU              {self.gpu_forward_seconds:.1f} s in forwards, "

@@ -63,6 +63,7 @@ def run_units(
         executor.run(committer.handed_out(todo), committer.on_result, committer.on_batch)
     finally:
         summary.extract_seconds = time.perf_counter() - start
+        summary.units_by_node = dict(getattr(executor, "units_by_node", {}))
         committer.marks.fill(summary, started_at, time.time())
         committer.bar.close()
         executor.close()
