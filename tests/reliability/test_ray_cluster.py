@@ -1,0 +1,201 @@
+"""Issue 32.1: extraction on a real three-node Ray cluster on this machine (tests/reliability/
+ray_cluster.py: ``ray start --head`` and two ``ray start --address ...`` worker nodes, each its own
+raylet and object store), into an ``s3://`` store on moto's server (its own process, 10 ms per
+request). The driver is a process of its own attached with the recipe's ``ray.address``; the actors
+need an ``extract_node`` resource that only the worker nodes have.
+
+One unbroken run is the reference; then a worker node is SIGKILLed mid-run (the run finishes on
+the other node), the node comes back (a rerun commits nothing twice), and the driver is SIGKILLed
+mid-run (a rerun resumes from the committed units). Each end state must verify without findings
+and hold exactly the reference's samples: ids, token counts and feature bytes
+(:func:`store_content`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import hsstore
+from hsstore.location import StoreLocation
+from hsstore.verify import verify_store
+from tests.reliability.ray_cluster import (
+    LocalRayCluster,
+    cluster_extract_overrides,
+    finish_driver,
+    start_driver,
+    store_content,
+    wait_for_commits,
+)
+
+pytestmark = [pytest.mark.reliability, pytest.mark.slow]
+
+# Per request, as a distant endpoint would add: it also keeps each unit's shard write long enough
+# (tens of requests) for a kill to land mid-run on a fast machine.
+S3_LATENCY_MS = 10
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[Any]:
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    from benchmarks.moto_s3 import MotoS3
+
+    with MotoS3(latency_ms=S3_LATENCY_MS) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def cluster_once(s3: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRayCluster]:
+    """Head plus two worker nodes; every node holds the S3 endpoint and keys in its environment,
+    as every machine of a real cluster must (the actors write the shards)."""
+    pytest.importorskip("ray")
+    # A short folder of its own: Ray's unix sockets live under it (paths of at most ~107 bytes).
+    root = Path(f"/tmp/hsrc-{uuid.uuid4().hex[:8]}")
+    with LocalRayCluster(root, env=s3.environ()) as cluster:
+        cluster.add_nodes(2, num_cpus=2, resources={"extract_node": 2})
+        yield cluster
+
+
+@pytest.fixture
+def cluster(cluster_once: LocalRayCluster) -> LocalRayCluster:
+    """The module's cluster with all three nodes alive (a test that killed one restarts it)."""
+    for node in cluster_once.workers:
+        if not node.alive:
+            cluster_once.restart_node(node)
+    return cluster_once
+
+
+class ClusterRun:
+    """One store on the endpoint and the environment of a driver extracting into it."""
+
+    def __init__(self, s3: Any, cluster: LocalRayCluster, logs: Path):
+        import s3fs
+
+        keys = s3.environ()
+        # This process reads the store through the recipe-style options; the driver and the
+        # nodes find the endpoint and keys in their AWS environment.
+        self.options: dict[str, Any] = {
+            "key": keys["AWS_ACCESS_KEY_ID"],
+            "secret": keys["AWS_SECRET_ACCESS_KEY"],
+            "client_kwargs": {"endpoint_url": s3.endpoint},
+        }
+        bucket = f"hsstore-{uuid.uuid4().hex[:12]}"
+        s3fs.S3FileSystem(**self.options).mkdir(bucket)
+        self.url = f"s3://{bucket}/store"
+        self.cluster = cluster
+        self.env = {**os.environ, **s3.environ(), **cluster.auth_env()}
+        self.logs = logs
+        self.num_drivers = 0
+
+    def start(self) -> Any:
+        self.num_drivers += 1
+        self.log = self.logs / f"driver{self.num_drivers}.log"
+        return start_driver(
+            cluster_extract_overrides(self.url, self.cluster.address), self.env, self.log
+        )
+
+    def finish(self, driver: Any) -> dict[str, Any]:
+        return finish_driver(driver, self.log)
+
+    def extract(self) -> dict[str, Any]:
+        return self.finish(self.start())
+
+    def wait_for_commits(self, count: int, driver: Any) -> list[str]:
+        return wait_for_commits(self.url, self.options, count, driver)
+
+    @property
+    def location(self) -> StoreLocation:
+        return StoreLocation(self.url, self.options)
+
+    def content(self) -> dict[str, tuple[int, str]]:
+        return store_content(self.url, self.options)
+
+    def shards(self) -> list[hsstore.ShardRecord]:
+        return hsstore.open_store(self.url, storage_options=self.options).shards
+
+
+@pytest.fixture(scope="module")
+def unbroken(
+    s3: Any, cluster_once: LocalRayCluster, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The reference: a run that never failed, its summary and its store's content."""
+    run = ClusterRun(s3, cluster_once, tmp_path_factory.mktemp("unbroken"))
+    summary = run.extract()
+    assert verify_store(run.location) == []
+    return summary, run.content()
+
+
+def test_extraction_spreads_over_the_worker_nodes(unbroken, cluster):
+    summary, content = unbroken
+    assert summary["num_units"] >= 4 and summary["num_samples_written"] == summary[
+        "num_samples"
+    ] == len(content)
+    assert sum(n for n, _ in content.values()) == summary["num_tokens"]
+    # Both worker nodes' actors committed units; the head (no extract_node resource) none.
+    worker_ids = cluster.worker_node_ids("extract_node")
+    assert set(summary["units_by_node"]) == set(worker_ids), (summary["units_by_node"], worker_ids)
+    assert sum(summary["units_by_node"].values()) == summary["num_units"]
+
+
+def test_a_worker_node_killed_mid_run_then_back_leaves_the_unbroken_store(
+    unbroken, s3, cluster, tmp_path
+):
+    reference_summary, reference = unbroken
+    run = ClusterRun(s3, cluster, tmp_path)
+    driver = run.start()
+    committed = run.wait_for_commits(1, driver)
+    victim, survivor = cluster.workers
+    victim_id, survivor_id = cluster.ray_node_id(victim), cluster.ray_node_id(survivor)
+    cluster.kill_node(victim)  # its raylet, object store and actor, SIGKILLed together
+    summary = run.finish(driver)  # the actor restarts on the other node, its units retried there
+    assert len(committed) < reference_summary["num_units"], "the kill landed after the last commit"
+    # The victim's actor was restarted on the survivor, which ran its units from then on.
+    by_node = summary["units_by_node"]
+    assert (
+        set(by_node) <= {victim_id, survivor_id} and sum(by_node.values()) == summary["num_units"]
+    )
+    assert by_node[survivor_id] > by_node.get(victim_id, 0), by_node
+    assert verify_store(run.location) == []
+    assert run.content() == reference
+
+    # The node comes back; a rerun finds every unit committed and commits nothing twice.
+    cluster.restart_node(victim)
+    shards = run.shards()
+    again = run.extract()
+    assert again["num_samples_written"] == 0 and again["num_units_skipped"] == again["num_units"]
+    assert run.shards() == shards
+    assert verify_store(run.location) == []
+    assert run.content() == reference
+
+
+def test_a_driver_killed_mid_run_is_resumed_by_a_rerun(unbroken, s3, cluster, tmp_path):
+    reference_summary, reference = unbroken
+    run = ClusterRun(s3, cluster, tmp_path)
+    driver = run.start()
+    run.wait_for_commits(1, driver)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    committed = {s.shard_id: s for s in run.shards()}
+    assert 1 <= len(committed) < reference_summary["num_units"], (
+        "the kill landed after the last commit"
+    )
+
+    summary = run.extract()
+    assert summary["num_units_skipped"] == len(committed)
+    assert summary["num_samples_written"] == reference_summary["num_samples"] - sum(
+        s.num_samples for s in committed.values()
+    )
+    shards = run.shards()
+    assert len({s.shard_id for s in shards}) == len(shards) == reference_summary["num_units"]
+    assert all(
+        committed[s.shard_id] == s for s in shards if s.shard_id in committed
+    )  # kept as they were
+    assert verify_store(run.location) == []
+    assert run.content() == reference
