@@ -167,10 +167,11 @@ class RayExecutor:
         """Hand out units, ``on_result`` as each comes back. Progress is per unit: ``on_batch``
         is accepted for symmetry with LocalExecutor and not called (actors report per unit)."""
         import ray
-        from ray.exceptions import RayActorError, RayTaskError
+        from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
         pending = iter(units)  # pulled as actors free up: the driver plans in a stream
         in_flight: dict[Any, tuple[Any, Any]] = {}
+        resent: Counter[int] = Counter()  # units sent again after ActorUnavailableError
 
         def submit(actor: Any) -> None:
             unit = next(pending, None)
@@ -194,6 +195,26 @@ class RayExecutor:
                 raise ExtractionError(
                     f"unit {unit.index} (shard {unit.shard_id}) failed: {err.cause or err}"
                 ) from err
+            except ActorUnavailableError as err:
+                # The actor's process or node went away with the unit in flight (a node lost):
+                # Ray does not retry a call that may have run, but a unit may run twice (the same
+                # shard id into a fresh attempt folder; the committer keeps the first record), so
+                # it is sent again. The handle reaches the actor once Ray has restarted it.
+                resent[unit.index] += 1
+                if resent[unit.index] > self.settings.max_task_retries:
+                    raise ExtractionError(
+                        f"unit {unit.index} (shard {unit.shard_id}): its actor was unavailable "
+                        f"{resent[unit.index]} times (max_task_retries="
+                        f"{self.settings.max_task_retries}; {err}); rerun the same recipe to resume"
+                    ) from err
+                logger.warning(
+                    "unit %d: its actor is unavailable (a node lost?); sending it again (%d of %d)",
+                    unit.index,
+                    resent[unit.index],
+                    self.settings.max_task_retries,
+                )
+                in_flight[actor.run_unit.remote(unit)] = (actor, unit)
+                continue
             except RayActorError as err:
                 raise ExtractionError(
                     f"unit {unit.index} (shard {unit.shard_id}): its actor died more than "
