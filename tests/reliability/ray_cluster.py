@@ -391,3 +391,67 @@ def store_content(url: str, options: dict[str, Any]) -> dict[str, tuple[int, str
         assert sample_id not in content, f"{sample_id} is in the store twice"
         content[sample_id] = (len(sample["input_ids"]), digest.hexdigest())
     return content
+
+
+class ClusterRun:
+    """One store in a fresh bucket of an S3 endpoint, and drivers extracting into it: on
+    ``cluster`` (the recipe's ``ray.address``), or with ``cluster=None`` on a local Ray the driver
+    starts itself (one node; ``ray.resources_per_worker`` dropped)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        aws_env: dict[str, str],
+        cluster: LocalRayCluster | None,
+        logs: Path,
+        **settings: Any,
+    ) -> None:
+        import s3fs
+
+        # This process reads the store through recipe-style storage options; the driver and
+        # the nodes find the endpoint and keys in their AWS environment (``aws_env``).
+        self.options: dict[str, Any] = {
+            "key": aws_env["AWS_ACCESS_KEY_ID"],
+            "secret": aws_env["AWS_SECRET_ACCESS_KEY"],
+            "client_kwargs": {"endpoint_url": endpoint},
+        }
+        bucket = f"hsstore-{secrets.token_hex(6)}"
+        s3fs.S3FileSystem(**self.options).mkdir(bucket)
+        self.url = f"s3://{bucket}/store"
+        self.env = {**os.environ, **aws_env, **(cluster.auth_env() if cluster else {})}
+        if cluster is None:
+            settings = {"ray.address": "null", "ray.resources_per_worker": "{}", **settings}
+        self.overrides = cluster_extract_overrides(
+            self.url, cluster.address if cluster else "null", **settings
+        )
+        self.logs = logs
+        self.num_drivers = 0
+        self.log = logs / "driver0.log"
+
+    def start(self) -> subprocess.Popen[str]:
+        self.num_drivers += 1
+        self.log = self.logs / f"driver{self.num_drivers}.log"
+        return start_driver(self.overrides, self.env, self.log)
+
+    def finish(self, driver: subprocess.Popen[str]) -> dict[str, Any]:
+        return finish_driver(driver, self.log)
+
+    def extract(self) -> dict[str, Any]:
+        return self.finish(self.start())
+
+    def wait_for_commits(self, count: int, driver: subprocess.Popen[str]) -> list[str]:
+        return wait_for_commits(self.url, self.options, count, driver)
+
+    @property
+    def location(self) -> Any:
+        from hsstore.location import StoreLocation
+
+        return StoreLocation(self.url, self.options)
+
+    def content(self) -> dict[str, tuple[int, str]]:
+        return store_content(self.url, self.options)
+
+    def shards(self) -> list[Any]:
+        import hsstore
+
+        return hsstore.open_store(self.url, storage_options=self.options).shards

@@ -13,7 +13,7 @@ and hold exactly the reference's samples: ids, token counts and feature bytes
 
 from __future__ import annotations
 
-import os
+import shutil
 import signal
 import uuid
 from collections.abc import Iterator
@@ -22,17 +22,8 @@ from typing import Any
 
 import pytest
 
-import hsstore
-from hsstore.location import StoreLocation
 from hsstore.verify import verify_store
-from tests.reliability.ray_cluster import (
-    LocalRayCluster,
-    cluster_extract_overrides,
-    finish_driver,
-    start_driver,
-    store_content,
-    wait_for_commits,
-)
+from tests.reliability.ray_cluster import ClusterRun, LocalRayCluster
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
@@ -61,6 +52,7 @@ def cluster_once(s3: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     with LocalRayCluster(root, env=s3.environ()) as cluster:
         cluster.add_nodes(2, num_cpus=2, resources={"extract_node": 2})
         yield cluster
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture
@@ -72,61 +64,12 @@ def cluster(cluster_once: LocalRayCluster) -> LocalRayCluster:
     return cluster_once
 
 
-class ClusterRun:
-    """One store on the endpoint and the environment of a driver extracting into it."""
-
-    def __init__(self, s3: Any, cluster: LocalRayCluster, logs: Path):
-        import s3fs
-
-        keys = s3.environ()
-        # This process reads the store through the recipe-style options; the driver and the
-        # nodes find the endpoint and keys in their AWS environment.
-        self.options: dict[str, Any] = {
-            "key": keys["AWS_ACCESS_KEY_ID"],
-            "secret": keys["AWS_SECRET_ACCESS_KEY"],
-            "client_kwargs": {"endpoint_url": s3.endpoint},
-        }
-        bucket = f"hsstore-{uuid.uuid4().hex[:12]}"
-        s3fs.S3FileSystem(**self.options).mkdir(bucket)
-        self.url = f"s3://{bucket}/store"
-        self.cluster = cluster
-        self.env = {**os.environ, **s3.environ(), **cluster.auth_env()}
-        self.logs = logs
-        self.num_drivers = 0
-
-    def start(self) -> Any:
-        self.num_drivers += 1
-        self.log = self.logs / f"driver{self.num_drivers}.log"
-        return start_driver(
-            cluster_extract_overrides(self.url, self.cluster.address), self.env, self.log
-        )
-
-    def finish(self, driver: Any) -> dict[str, Any]:
-        return finish_driver(driver, self.log)
-
-    def extract(self) -> dict[str, Any]:
-        return self.finish(self.start())
-
-    def wait_for_commits(self, count: int, driver: Any) -> list[str]:
-        return wait_for_commits(self.url, self.options, count, driver)
-
-    @property
-    def location(self) -> StoreLocation:
-        return StoreLocation(self.url, self.options)
-
-    def content(self) -> dict[str, tuple[int, str]]:
-        return store_content(self.url, self.options)
-
-    def shards(self) -> list[hsstore.ShardRecord]:
-        return hsstore.open_store(self.url, storage_options=self.options).shards
-
-
 @pytest.fixture(scope="module")
 def unbroken(
     s3: Any, cluster_once: LocalRayCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The reference: a run that never failed, its summary and its store's content."""
-    run = ClusterRun(s3, cluster_once, tmp_path_factory.mktemp("unbroken"))
+    run = ClusterRun(s3.endpoint, s3.environ(), cluster_once, tmp_path_factory.mktemp("unbroken"))
     summary = run.extract()
     assert verify_store(run.location) == []
     return summary, run.content()
@@ -148,7 +91,7 @@ def test_a_worker_node_killed_mid_run_then_back_leaves_the_unbroken_store(
     unbroken, s3, cluster, tmp_path
 ):
     reference_summary, reference = unbroken
-    run = ClusterRun(s3, cluster, tmp_path)
+    run = ClusterRun(s3.endpoint, s3.environ(), cluster, tmp_path)
     driver = run.start()
     committed = run.wait_for_commits(1, driver)
     victim, survivor = cluster.workers
@@ -177,7 +120,7 @@ def test_a_worker_node_killed_mid_run_then_back_leaves_the_unbroken_store(
 
 def test_a_driver_killed_mid_run_is_resumed_by_a_rerun(unbroken, s3, cluster, tmp_path):
     reference_summary, reference = unbroken
-    run = ClusterRun(s3, cluster, tmp_path)
+    run = ClusterRun(s3.endpoint, s3.environ(), cluster, tmp_path)
     driver = run.start()
     run.wait_for_commits(1, driver)
     driver.send_signal(signal.SIGKILL)
