@@ -1,7 +1,7 @@
 """A real multi-node Ray cluster on this machine: ``ray start --head`` plus worker nodes, each its own
 ``ray start --address ...`` (its own raylet, object store and worker processes), as on separate
 machines. For the cluster tests (tests/reliability/test_ray_cluster.py) and the cluster benchmark
-(benchmarks/bench_cluster.py).
+(``python -m benchmarks.bench_extract cluster``, benchmarks/extract/cluster.py).
 
 Kept light and private to its caller: a temp folder and ports of its own (so two test sessions on
 one machine never join each other's cluster), no dashboard, small object stores. Every node runs
@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tests.support.paths import REPO_ROOT
 
 # The head runs the GCS and the driver; it has a CPU but no ``extract_node`` resource, so that the
 # recipe's ``ray.resources_per_worker``, not a lack of room, is what keeps actors off it.
@@ -182,7 +184,7 @@ class LocalRayCluster:
         from a short-lived process, so that this one never becomes a Ray driver."""
         probe = (
             "import json, sys, ray; ray.init(address=sys.argv[1], log_to_driver=False, configure_logging=False); "
-            "print(json.dumps([{k: n[k] for k in ('NodeID', 'Alive', 'Resources', 'NodeManagerPort')} "
+            "print('NODES', json.dumps([{k: n[k] for k in ('NodeID', 'Alive', 'Resources', 'NodeManagerPort')} "
             "for n in ray.nodes()]))"
         )
         done = subprocess.run(
@@ -194,7 +196,11 @@ class LocalRayCluster:
         )
         if done.returncode != 0:
             raise ClusterError(f"cannot list the nodes of {self.address}: {done.stderr[-2000:]}")
-        return json.loads(done.stdout.strip().splitlines()[-1])
+        # Ray may print its own lines (a node it declared dead) on stdout too.
+        line = next((x for x in reversed(done.stdout.splitlines()) if x.startswith("NODES ")), None)
+        if line is None:
+            raise ClusterError(f"cannot list the nodes of {self.address}: {done.stdout[-2000:]}")
+        return json.loads(line.removeprefix("NODES "))
 
     def ray_node_id(self, node: RayNode) -> str:
         """The Ray node id of ``node`` as it runs now (a restarted node gets a new one)."""
@@ -271,7 +277,6 @@ class LocalRayCluster:
 
 # -- extraction on the cluster: the driver as a process of its own, the store's content -----------
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 REFERENCE_RECIPE = "recipes/reference/extract.yaml"
 
 
@@ -352,7 +357,7 @@ def wait_for_commits(
 ) -> list[str]:
     """Poll the store's manifest until it names at least ``count`` shards; their ids."""
     from hsstore import committed_shard_ids
-    from hsstore.location import StoreLocation
+    from hsstore.storage import StoreLocation
 
     deadline = time.monotonic() + timeout_s
     committed: set[str] = set()
@@ -444,7 +449,7 @@ class ClusterRun:
 
     @property
     def location(self) -> Any:
-        from hsstore.location import StoreLocation
+        from hsstore.storage import StoreLocation
 
         return StoreLocation(self.url, self.options)
 
