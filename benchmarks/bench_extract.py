@@ -440,6 +440,7 @@ MODES = {
     "ray-report": "benchmarks.extract.ray_report",
     "dry-run-memory": "benchmarks.extract.dry_run_memory",
     "trace": "benchmarks.extract.trace_head",
+    "cluster": "benchmarks.extract.cluster",
 }
 
 
