@@ -1,7 +1,7 @@
 """Issue 32.1: extraction on a real three-node Ray cluster on this machine (tests/support/
 ray_cluster.py: ``ray start --head`` and two ``ray start --address ...`` worker nodes, each its own
-raylet and object store), into an ``s3://`` store on the session's moto server (its own process).
-The driver is a process of its own attached with the recipe's ``ray.address``; the actors
+raylet and object store), into an ``s3://`` store on moto's S3 server (its own process, 10 ms per
+request). The driver is a process of its own attached with the recipe's ``ray.address``; the actors
 need an ``extract_node`` resource that only the worker nodes have.
 
 One unbroken run is the reference; then a worker node is SIGKILLed mid-run (the run finishes on
@@ -28,10 +28,21 @@ from tests.support.ray_cluster import ClusterRun, LocalRayCluster
 pytestmark = [pytest.mark.reliability, pytest.mark.slow]
 
 
+# Per request, as a distant endpoint adds: each unit's shard write (tens of requests) then takes
+# long enough that a node killed after the first commit still had units to run (on loopback with
+# no latency the last units were done before the kill landed).
+S3_LATENCY_MS = 10
+
+
 @pytest.fixture(scope="module")
-def s3(s3_server: Any) -> Any:
-    """The session's S3 endpoint (tests/conftest.py: moto's server in its own process)."""
-    return s3_server
+def s3() -> Iterator[Any]:
+    """moto's S3 server in its own process (tests/support/s3.py), with per-request latency."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    from tests.support.s3 import MotoS3
+
+    with MotoS3(latency_ms=S3_LATENCY_MS) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
