@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 import hsstore
-from hsstore.aux_layers import AUX_HIDDEN_STATES, TEACHER_FEATURES
+from hsstore.aux_layers import AUX_HIDDEN_STATES
 from hsstore.errors import LineageMismatchError, RecipeError
 from pipelines.evaluate.recipe import DecodeSetting, ProxyConfig
 from pipelines.models.eagle3 import Eagle3Draft
@@ -83,14 +83,15 @@ def offline_proxy(
     from pipelines.train.lineage_check import choose_teacher
     from pipelines.train.target_heads import load_target_heads
     from pipelines.train.teacher import build_teacher
+    from pipelines.train.teacher_mode import TeacherMode
     from pipelines.train.ttt import ttt_forward
 
     store = open_proxy_store(config, draft) if store is None else store
     teacher_mode = choose_teacher(store, "auto")
     lm_head = None
-    if teacher_mode == "final_hidden":
+    if teacher_mode == TeacherMode.FINAL_HIDDEN:
         lm_head = load_target_heads(target_dir).lm_head_VH.to(device)
-    features = [AUX_HIDDEN_STATES, *TEACHER_FEATURES[teacher_mode]]
+    features = [AUX_HIDDEN_STATES, *teacher_mode.features]
     sample_ids = store.samples.column("sample_id").to_pylist()
     chosen = [i for i, sid in enumerate(sample_ids) if _in_fraction(sid, config.fraction)]
     if config.max_samples is not None:

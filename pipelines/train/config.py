@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from pipelines.recipe import RecipeModel
+from pipelines.train.teacher_mode import TeacherChoice
 
 
 class VocabConfig(RecipeModel):
@@ -178,7 +179,7 @@ class TrainRecipe(RecipeModel):
             "same across steps, as SpecForge's B*T mean; docs/training.md)"
         ),
     )
-    teacher: Literal["auto", "final_hidden", "topk", "draft_probs"] = Field(
+    teacher: TeacherChoice = Field(
         default="auto", description="which stored target distribution to learn from (auto: the best present)"
     )
     init_from: str | None = Field(

@@ -18,12 +18,12 @@ from hsstore.aux_layers import (
     FINAL_HIDDEN_STATE,
     FINAL_STATE_CONVENTION,
     LAYER_CONVENTION,
-    TEACHER_FEATURES,
     select_aux_layers,
 )
 from hsstore.errors import LineageMismatchError
 from hsstore.store import Store
 from pipelines import target_identity as identity
+from pipelines.train.teacher_mode import TeacherChoice, TeacherMode
 
 
 def _short(value: Any) -> str:
@@ -38,20 +38,21 @@ def _mismatch(store: Store, field: str, stored: Any, found: Any, where: str, hin
     )
 
 
-def choose_teacher(store: Store, requested: str) -> str:
+def choose_teacher(store: Store, requested: TeacherChoice) -> TeacherMode:
     """The teacher mode to train with: ``requested``, or with ``auto`` the best the store holds
     (the exact final state first, then top-k, then dense draft probabilities)."""
     present = set(store.features)
     if requested != "auto":
-        missing = [name for name in TEACHER_FEATURES[requested] if name not in present]
+        mode = TeacherMode(requested)
+        missing = [name for name in mode.features if name not in present]
         if missing:
             raise LineageMismatchError(
-                f"{store.url}: teacher {requested!r} needs feature(s) {missing}; the store holds "
+                f"{store.url}: teacher {mode.value!r} needs feature(s) {missing}; the store holds "
                 f"{sorted(present)} (lineage target_distribution={store.lineage.target_distribution!r})"
             )
-        return requested
-    for mode in ("final_hidden", "topk", "draft_probs"):
-        if all(name in present for name in TEACHER_FEATURES[mode]):
+        return mode
+    for mode in TeacherMode:  # declared in order of preference
+        if all(name in present for name in mode.features):
             return mode
     raise LineageMismatchError(
         f"{store.url}: holds no target distribution (final_hidden_state, topk_logits/topk_ids or "

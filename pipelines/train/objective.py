@@ -28,6 +28,7 @@ from hsstore.aux_layers import AUX_HIDDEN_STATES
 from pipelines.models.eagle3 import Eagle3Draft
 from pipelines.train.candidate import candidate_step_loss
 from pipelines.train.teacher import TeacherHead, teacher_rows
+from pipelines.train.teacher_mode import TeacherMode
 from pipelines.train.ttt import doc_remaining_from_ids, ttt_forward, ttt_step_masks, ttt_unroll
 
 AUX = AUX_HIDDEN_STATES
@@ -57,7 +58,7 @@ class DraftObjective(nn.Module):
     def __init__(
         self,
         draft: Eagle3Draft,
-        teacher_mode: str,
+        teacher_mode: TeacherMode,
         teacher_head: TeacherHead | None,
         ttt_length: int,
         attention: str = "auto",

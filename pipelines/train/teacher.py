@@ -25,12 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hsstore.aux_layers import DRAFT_PROBS as DRAFT_PROBS_FEATURE
-from hsstore.aux_layers import FINAL_HIDDEN_STATE, TOPK_IDS, TOPK_LOGITS
+from hsstore.aux_layers import DRAFT_PROBS, FINAL_HIDDEN_STATE, TOPK_IDS, TOPK_LOGITS
+from pipelines.train.teacher_mode import TeacherMode
 
-FINAL_HIDDEN = "final_hidden"
-TOPK = "topk"
-DRAFT_PROBS = "draft_probs"
 DEFAULT_VOCAB_CHUNK = 8192
 
 
@@ -112,7 +109,7 @@ def teacher_from_draft_probs(draft_probs_BTV: torch.Tensor) -> Teacher:
 
 
 def build_teacher(
-    mode: str,
+    mode: TeacherMode,
     features: Mapping[str, torch.Tensor],
     *,
     d2t: torch.Tensor,
@@ -120,25 +117,25 @@ def build_teacher(
     lm_head_VH: torch.Tensor | None = None,
     vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
 ) -> Teacher:
-    """Dispatch on the teacher mode (``final_hidden``, ``topk``, ``draft_probs``; see
-    ``pipelines.train.lineage_check.choose_teacher``) with the batch's decoded features."""
-    if mode == FINAL_HIDDEN:
+    """Dispatch on the teacher mode (see ``pipelines.train.lineage_check.choose_teacher``) with
+    the batch's decoded features."""
+    if mode == TeacherMode.FINAL_HIDDEN:
         if lm_head_VH is None:
             raise ValueError("teacher mode 'final_hidden' needs the target's lm_head weight")
         return teacher_from_final_hidden(
             features[FINAL_HIDDEN_STATE], lm_head_VH, d2t, t2d, vocab_chunk
         )
-    if mode == TOPK:
+    if mode == TeacherMode.TOPK:
         return teacher_from_topk(features[TOPK_LOGITS], features[TOPK_IDS], d2t, t2d)
-    if mode == DRAFT_PROBS:
-        probs = features[DRAFT_PROBS_FEATURE]
+    if mode == TeacherMode.DRAFT_PROBS:
+        probs = features[DRAFT_PROBS]
         if probs.shape[-1] != d2t.shape[0]:
             raise ValueError(
                 f"draft_probs cover {probs.shape[-1]} ids but the draft vocabulary has {d2t.shape[0]}: "
                 "the store was extracted with another draft vocabulary"
             )
         return teacher_from_draft_probs(probs)
-    raise ValueError(f"unknown teacher mode {mode!r} (final_hidden, topk, draft_probs)")
+    raise ValueError(f"unknown teacher mode {mode!r} ({', '.join(TeacherMode)})")
 
 
 # -- teachers read row by row (the training loss: pipelines.train.loss) ------------------------
@@ -213,7 +210,7 @@ class FinalHiddenTeacherRows:
 
 
 def teacher_rows(
-    mode: str,
+    mode: TeacherMode,
     features: Mapping[str, torch.Tensor],
     *,
     d2t: torch.Tensor,
@@ -223,7 +220,7 @@ def teacher_rows(
     """``(rows, valid_BT)`` for the training loss. ``final_hidden`` streams rows from the final
     state through ``head``; the compact modes (top-k, draft probabilities) are small per position
     already and go through the dense builders above."""
-    if mode == FINAL_HIDDEN:
+    if mode == TeacherMode.FINAL_HIDDEN:
         if head is None:
             raise ValueError("teacher mode 'final_hidden' needs a TeacherHead (the target's lm_head)")
         final = features[FINAL_HIDDEN_STATE]

@@ -51,7 +51,7 @@ from pipelines.train.distributed import (
     setup_distributed,
     wrap_ddp,
 )
-from pipelines.train.lineage_check import TEACHER_FEATURES, check_lineage, choose_teacher
+from pipelines.train.lineage_check import check_lineage, choose_teacher
 from pipelines.train.metrics import MetricsWindow, append_record, summary_text
 from pipelines.train.objective import (
     AUX,
@@ -61,7 +61,8 @@ from pipelines.train.objective import (
     objective_loss,
 )
 from pipelines.train.target_heads import TargetHeads, load_target_heads
-from pipelines.train.teacher import FINAL_HIDDEN, TeacherHead
+from pipelines.train.teacher import TeacherHead
+from pipelines.train.teacher_mode import TeacherMode
 from pipelines.train.vocab import (
     DraftVocab,
     calibrate_vocab,
@@ -168,12 +169,12 @@ def use_compile(recipe: TrainRecipe, device: torch.device) -> bool:
 
 
 def build_objective(
-    recipe: TrainRecipe, draft: Eagle3Draft, teacher_mode: str, heads: TargetHeads, device: torch.device
+    recipe: TrainRecipe, draft: Eagle3Draft, teacher_mode: TeacherMode, heads: TargetHeads, device: torch.device
 ) -> DraftObjective | CandidateObjective:
     if recipe.stage == "candidate_head":
         assert draft.config.num_candidates is not None
         return CandidateObjective(draft, recipe.ttt_length, draft.config.num_candidates, recipe.attention)
-    head = TeacherHead(heads.lm_head_VH, draft.d2t, draft.t2d) if teacher_mode == FINAL_HIDDEN else None
+    head = TeacherHead(heads.lm_head_VH, draft.d2t, draft.t2d) if teacher_mode == TeacherMode.FINAL_HIDDEN else None
     return DraftObjective(
         draft, teacher_mode, head, recipe.ttt_length, recipe.attention, compile=use_compile(recipe, device)
     )
@@ -285,7 +286,7 @@ def _run(recipe: TrainRecipe, dist_state: Distributed, device: torch.device, sto
         logger.info("resuming from %s (step %d)", resume_from, state["step"])
 
     # The loader: teacher features only for stage 1 (stage 2's teacher is the draft's own head).
-    features = [AUX] + (list(TEACHER_FEATURES[teacher_mode]) if recipe.stage == "draft" else [])
+    features = [AUX] + (list(teacher_mode.features) if recipe.stage == "draft" else [])
     loader_kwargs = loader_arguments(recipe, dist_state, device)
     # Only the chosen aux layers are read (a store written with layer_arrays reads only their bytes).
     loader_kwargs["layers"] = {AUX: select_aux_layers(store.lineage.aux_layer_ids, recipe.aux_layer_ids)}

@@ -11,6 +11,7 @@ from hsstore.errors import LineageMismatchError
 from pipelines.evaluate.proxy import offline_proxy
 from pipelines.evaluate.recipe import DecodeSetting, ProxyConfig
 from pipelines.evaluate.target import TargetModel
+from pipelines.train.teacher_mode import TeacherMode
 from tests.pipelines.evaluate.helpers import random_draft
 
 
@@ -25,7 +26,7 @@ def test_proxy_scores_every_depth_of_the_stored_samples(
     ]
     config = ProxyConfig(store=reference_store, max_samples=3, ttt_length=3)
     proxy = offline_proxy(draft, config, str(reference_target), settings, torch.device("cpu"))
-    assert proxy["num_samples"] == 3 and proxy["teacher"] == "final_hidden"
+    assert proxy["num_samples"] == 3 and proxy["teacher"] is TeacherMode.FINAL_HIDDEN
     assert len(proxy["accuracy_per_depth"]) == 3
     assert all(n > 0 for n in proxy["scored_per_depth"])
     # Depth i scores one position fewer per sample than depth i-1 (its target lies further ahead).

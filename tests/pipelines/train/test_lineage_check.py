@@ -11,6 +11,7 @@ import pytest
 import hsstore
 from hsstore.errors import LineageMismatchError
 from pipelines.train.lineage_check import check_lineage, choose_teacher
+from pipelines.train.teacher_mode import TeacherMode
 from tests.support.models import tiny_qwen3
 from tests.support.paths import REFERENCE_TARGET
 from tests.support.stores import reference_lineage
@@ -53,9 +54,10 @@ def test_matching_store_passes(tmp_path: Path, good_lineage: hsstore.Lineage) ->
     store = write_store(tmp_path / "store", good_lineage)
     checked = check_lineage(store, REFERENCE_TARGET, expect_aux_layer_ids=[2, 4, 5], draft_aux_layer_ids=[2, 4, 5])
     assert checked["aux_layer_ids"] == [2, 4, 5] and checked["weights_checked"]
-    assert choose_teacher(store, "auto") == "final_hidden"
+    assert choose_teacher(store, "auto") is TeacherMode.FINAL_HIDDEN
+    assert choose_teacher(store, TeacherMode.FINAL_HIDDEN) is TeacherMode.FINAL_HIDDEN
     with pytest.raises(LineageMismatchError, match=r"teacher 'topk' needs feature\(s\) \['topk_logits', 'topk_ids'\]"):
-        choose_teacher(store, "topk")
+        choose_teacher(store, TeacherMode.TOPK)
 
 
 def test_other_aux_layers_are_refused(tmp_path: Path, good_lineage: hsstore.Lineage) -> None:

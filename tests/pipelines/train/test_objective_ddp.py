@@ -12,6 +12,7 @@ import torch
 
 from pipelines.train.distributed import Distributed, all_reduce_, wrap_ddp
 from pipelines.train.objective import DraftObjective, objective_loss
+from pipelines.train.teacher_mode import TeacherMode
 from tests.pipelines.train.test_ttt import packed_batch, ttt_draft
 
 
@@ -38,7 +39,7 @@ def _rank_gradients(rank: int, out_dir: str) -> None:
     draft, features, ids, pos, loss_mask, docs = _inputs()
     rows = slice(rank, rank + 1)
     state = Distributed(rank=rank, world_size=2)
-    model = wrap_ddp(DraftObjective(draft, "draft_probs", None, ttt_length=3), state)
+    model = wrap_ddp(DraftObjective(draft, TeacherMode.DRAFT_PROBS, None, ttt_length=3), state)
     out = model({k: v[rows] for k, v in features.items()}, ids[rows], pos[rows], loss_mask[rows], docs[rows])
     counts = all_reduce_(torch.stack(out.counts).to(torch.float64), state)
     objective_loss(out, counts, 0.8, False, world_size=2).backward()
@@ -65,7 +66,7 @@ def test_ddp_gradient_equals_one_process_on_the_whole_batch(tmp_path: Path) -> N
     import torch.multiprocessing as mp
 
     draft, features, ids, pos, loss_mask, docs = _inputs()
-    out = DraftObjective(draft, "draft_probs", None, ttt_length=3)(features, ids, pos, loss_mask, docs)
+    out = DraftObjective(draft, TeacherMode.DRAFT_PROBS, None, ttt_length=3)(features, ids, pos, loss_mask, docs)
     assert all(int(c) > 0 for c in out.counts)
     objective_loss(out, torch.stack(out.counts).double(), 0.8, False).backward()
     want = _grads(draft)

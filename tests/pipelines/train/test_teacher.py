@@ -12,6 +12,7 @@ from pipelines.train.teacher import (
     teacher_from_final_hidden,
     teacher_from_topk,
 )
+from pipelines.train.teacher_mode import TeacherMode
 from pipelines.train.vocab import DraftVocab
 
 V, H, V_DRAFT = 50, 16, 20
@@ -88,7 +89,7 @@ def test_draft_probs_unrenormalised_and_renormalised(setup):
 def test_build_teacher_dispatch_and_errors(setup):
     lm_head, hidden, vocab = setup
     teacher = build_teacher(
-        "final_hidden",
+        TeacherMode.FINAL_HIDDEN,
         {"final_hidden_state": hidden},
         d2t=vocab.d2t,
         t2d=vocab.t2d,
@@ -96,10 +97,10 @@ def test_build_teacher_dispatch_and_errors(setup):
     )
     assert teacher.probs_BTV.shape == (3, 7, V_DRAFT)
     with pytest.raises(ValueError, match="needs the target's lm_head weight"):
-        build_teacher("final_hidden", {"final_hidden_state": hidden}, d2t=vocab.d2t, t2d=vocab.t2d)
+        build_teacher(TeacherMode.FINAL_HIDDEN, {"final_hidden_state": hidden}, d2t=vocab.d2t, t2d=vocab.t2d)
     with pytest.raises(ValueError, match="draft_probs cover 5 ids but the draft vocabulary has 20"):
         build_teacher(
-            "draft_probs", {"draft_probs": torch.rand(1, 2, 5)}, d2t=vocab.d2t, t2d=vocab.t2d
+            TeacherMode.DRAFT_PROBS, {"draft_probs": torch.rand(1, 2, 5)}, d2t=vocab.d2t, t2d=vocab.t2d
         )
-    with pytest.raises(ValueError, match="unknown teacher mode 'logits'"):
-        build_teacher("logits", {}, d2t=vocab.d2t, t2d=vocab.t2d)
+    with pytest.raises(ValueError, match="unknown teacher mode 'logits' \\(final_hidden, topk, draft_probs\\)"):
+        build_teacher("logits", {}, d2t=vocab.d2t, t2d=vocab.t2d)  # type: ignore[arg-type]

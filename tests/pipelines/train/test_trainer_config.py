@@ -6,9 +6,11 @@ import math
 
 import pytest
 
+from hsstore.aux_layers import TEACHER_FEATURES
 from hsstore.errors import RecipeError
 from pipelines.recipe import build_recipe, load_recipe
 from pipelines.train.config import TrainRecipe
+from pipelines.train.teacher_mode import TeacherMode
 from pipelines.train.trainer import lr_at
 from tests.support.paths import REPO_ROOT
 
@@ -54,3 +56,15 @@ def test_warmup_then_cosine() -> None:
     assert lrs[60] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))
     assert lr_at(110, 110, recipe) == pytest.approx(0.1)
+
+
+def test_teacher_modes_are_one_enum_with_the_store_features() -> None:
+    # Every mode names the features hsstore says carry it, in the order ``auto`` prefers them.
+    assert [mode.value for mode in TeacherMode] == ["final_hidden", "topk", "draft_probs"]
+    assert set(TeacherMode) == set(TEACHER_FEATURES)
+    assert TeacherMode.TOPK.features == ("topk_logits", "topk_ids")
+    recipe = build_recipe(TrainRecipe, {**BASE, "teacher": "topk"})
+    assert recipe.teacher is TeacherMode.TOPK and recipe.model_dump(mode="json")["teacher"] == "topk"
+    assert build_recipe(TrainRecipe, BASE).teacher == "auto"
+    with pytest.raises(RecipeError, match="teacher"):
+        build_recipe(TrainRecipe, {**BASE, "teacher": "logits"})
