@@ -77,14 +77,32 @@ def check_lineage(
     """
     target_dir = Path(target_dir)
     tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir is not None else target_dir
-    lineage = store.lineage
+    found = _check_target(store, target_dir, hash_weights)
+    _check_tokenizer(store, tokenizer_dir)
+    _check_conventions(store)
+    aux, chosen = _check_aux_layers(store, target_dir, expect_aux_layer_ids, draft_aux_layer_ids, aux_layer_ids)
+    _check_feature_shapes(store)
+    return {
+        "target": str(target_dir),
+        "architecture": found["architecture"],
+        "config_sha256": found["config_sha256"],
+        "weights_checked": hash_weights,
+        "aux_layer_ids": aux,
+        "train_aux_layer_ids": chosen,
+        "codecs": {name: s.codec for name, s in store.features.items()},
+    }
+
+
+def _check_target(store: Store, target_dir: Path, hash_weights: bool) -> dict[str, Any]:
+    """The target's identity (config, and the weights' hashes if ``hash_weights``) as the store
+    recorded it; returns the identity recomputed from ``target_dir``."""
     where = f"the target {target_dir}"
-    if lineage.target is None:
+    stored_target = store.lineage.target
+    if stored_target is None:
         raise LineageMismatchError(
             f"{store.url}: lineage field 'target' is empty: the store does not say which model "
             "produced it, so it cannot be checked against the target; extract it with hsstore extract"
         )
-    stored_target = lineage.target
     found = identity.target_identity(target_dir, hash_weights=hash_weights)
     for field in ("architecture", "model_type", "num_hidden_layers", "hidden_size", "vocab_size", "config_sha256"):
         stored, ours = getattr(stored_target, field), found[field]
@@ -103,6 +121,12 @@ def check_lineage(
             where,
             "the target's weights differ from the ones the store was extracted with",
         )
+    return found
+
+
+def _check_tokenizer(store: Store, tokenizer_dir: Path) -> None:
+    """The tokenizer (when the store recorded it) and the chat template the samples were built with."""
+    lineage = store.lineage
     if lineage.tokenizer_sha256 is not None:
         ours_tok = identity.tokenizer_sha256(tokenizer_dir)
         if lineage.tokenizer_sha256 != ours_tok:
@@ -113,18 +137,35 @@ def check_lineage(
             store, "chat_template_sha256", lineage.chat_template_sha256, ours_template,
             f"the chat template in {tokenizer_dir}", "loss masks and prompts were built with another template",
         )
+
+
+def _check_conventions(store: Store) -> None:
+    """Which layer an aux id names, and which final state is stored: this trainer's conventions."""
+    lineage = store.lineage
     if lineage.layer_convention != LAYER_CONVENTION:
         raise _mismatch(store, "layer_convention", lineage.layer_convention, LAYER_CONVENTION, "this trainer")
     if lineage.final_state_convention != FINAL_STATE_CONVENTION:
         raise _mismatch(
             store, "final_state_convention", lineage.final_state_convention, FINAL_STATE_CONVENTION, "this trainer"
         )
-    aux = list(lineage.aux_layer_ids)
+
+
+def _check_aux_layers(
+    store: Store,
+    target_dir: Path,
+    expect_aux_layer_ids: list[int] | None,
+    draft_aux_layer_ids: list[int] | None,
+    aux_layer_ids: list[int] | None,
+) -> tuple[list[int], list[int]]:
+    """``(captured, chosen)``: the store's aux layers (valid, as the recipe expects) and the subset
+    this run trains on (the same a continued draft's fc was trained on)."""
+    aux = list(store.lineage.aux_layer_ids)
     if not aux:
         raise LineageMismatchError(f"{store.url}: lineage field 'aux_layer_ids' is empty; a draft needs aux states")
-    num_layers = stored_target.num_hidden_layers
+    assert store.lineage.target is not None  # _check_target ran first
+    num_layers = store.lineage.target.num_hidden_layers
     if any(not 0 <= i <= num_layers for i in aux):
-        raise _mismatch(store, "aux_layer_ids", aux, f"ids within [0, {num_layers}]", where)
+        raise _mismatch(store, "aux_layer_ids", aux, f"ids within [0, {num_layers}]", f"the target {target_dir}")
     if expect_aux_layer_ids is not None and aux != list(expect_aux_layer_ids):
         raise _mismatch(store, "aux_layer_ids", aux, list(expect_aux_layer_ids), "the recipe (expect_aux_layer_ids)")
     # The layers this run trains on: the recipe's aux_layer_ids, a subset of the captured ones.
@@ -134,26 +175,24 @@ def check_lineage(
             store, "aux_layer_ids", chosen, list(draft_aux_layer_ids), "the draft being continued",
             "its fc was trained on other layers",
         )
+    return aux, chosen
+
+
+def _check_feature_shapes(store: Store) -> None:
+    """The aux and final states have the shapes the lineage's layers and hidden size imply."""
+    assert store.lineage.target is not None  # _check_target ran first
+    hidden_size = store.lineage.target.hidden_size
     features = store.features
     spec = features.get(AUX_HIDDEN_STATES)
-    expected_shape = (len(aux), stored_target.hidden_size)
+    expected_shape = (len(store.lineage.aux_layer_ids), hidden_size)
     if spec is None or tuple(spec.shape) != expected_shape:
         raise _mismatch(
             store, f"features.{AUX_HIDDEN_STATES}.shape", None if spec is None else tuple(spec.shape),
             expected_shape, "the lineage's aux_layer_ids and hidden size",
         )
     final = features.get(FINAL_HIDDEN_STATE)
-    if final is not None and tuple(final.shape) != (stored_target.hidden_size,):
+    if final is not None and tuple(final.shape) != (hidden_size,):
         raise _mismatch(
-            store, f"features.{FINAL_HIDDEN_STATE}.shape", tuple(final.shape), (stored_target.hidden_size,),
+            store, f"features.{FINAL_HIDDEN_STATE}.shape", tuple(final.shape), (hidden_size,),
             "the target's hidden size",
         )
-    return {
-        "target": str(target_dir),
-        "architecture": found["architecture"],
-        "config_sha256": found["config_sha256"],
-        "weights_checked": hash_weights,
-        "aux_layer_ids": aux,
-        "train_aux_layer_ids": chosen,
-        "codecs": {name: s.codec for name, s in features.items()},
-    }
