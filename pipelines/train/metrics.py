@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,27 @@ from pipelines.train.distributed import Distributed, all_reduce_
 from pipelines.train.objective import ObjectiveOutput
 
 
-class MetricsWindow:
-    """Sums since the last log line: loss, per-depth matches and counts (and stage 2's KL sums)
-    on the device; tokens, padding and data-wait seconds on the host."""
+@dataclass(frozen=True)
+class StageMetrics:
+    """What a training stage's logs call their numbers, beyond loss and per-depth accuracy."""
 
-    def __init__(self, stage: str) -> None:
-        self.stage = stage
+    accuracy_label: str = "acc"  # how the summary names the per-depth accuracy
+    accuracy_alias: str | None = None  # also log the accuracy under this key
+    loss_mean_key: str | None = None  # also log the per-depth loss sums' means under this key
+
+
+DRAFT_METRICS = StageMetrics()
+# Stage 2: accuracy is candidate recall@K (the full head's top-1 among the low-rank head's top K),
+# and the loss sums are KL(full || low-rank).
+CANDIDATE_HEAD_METRICS = StageMetrics(accuracy_label="recall@K", accuracy_alias="recall", loss_mean_key="kl")
+
+
+class MetricsWindow:
+    """Sums since the last log line: loss, per-depth matches and counts (and the per-depth loss
+    sums where the stage logs them) on the device; tokens, padding and data-wait seconds on the host."""
+
+    def __init__(self, metrics: StageMetrics = DRAFT_METRICS) -> None:
+        self.metrics = metrics
         self.started = time.perf_counter()
         self.reduced_totals: dict[str, Any] = {}
         self.reset()
@@ -44,8 +60,8 @@ class MetricsWindow:
             "correct": torch.stack(out.correct).double(),
             "count": torch.stack(out.counts).double(),
         }
-        if self.stage != "draft":
-            values["kl"] = torch.stack([s.detach() for s in out.loss_sums]).double()
+        if self.metrics.loss_mean_key is not None:
+            values[self.metrics.loss_mean_key] = torch.stack([s.detach() for s in out.loss_sums]).double()
         for key, value in values.items():
             self.device_sums[key] = self.device_sums[key] + value if key in self.device_sums else value
         self.tokens += num_tokens
@@ -58,7 +74,7 @@ class MetricsWindow:
 
     def reduce(self, step: int, lr: float, epoch: int, dist_state: Distributed) -> dict[str, Any]:
         """One metrics record over all ranks (a host sync); starts the next window."""
-        keys = [k for k in ("loss", "correct", "count", "kl") if k in self.device_sums]
+        keys = list(self.device_sums)  # insertion order: loss, correct, count, then the stage's
         device = self.device_sums["loss"].device
         grad_norm = self.grad_norm if self.grad_norm is not None else torch.zeros(())
         host = torch.tensor([self.tokens, self.padding, self.wait_s], dtype=torch.float64, device=device)
@@ -92,9 +108,11 @@ class MetricsWindow:
             "grad_norm": grad_norm_value,
             "wall_s": wall_s,
         }
-        if self.stage != "draft":
-            record["recall"] = accuracy
-            record["kl"] = [round(float(x), 6) for x in parts["kl"] / count]
+        if self.metrics.accuracy_alias is not None:
+            record[self.metrics.accuracy_alias] = accuracy
+        if self.metrics.loss_mean_key is not None:
+            key = self.metrics.loss_mean_key
+            record[key] = [round(float(x), 6) for x in parts[key] / count]
         self.reset()
         return record
 
@@ -104,9 +122,10 @@ def append_record(record: dict[str, Any], metrics_path: Path) -> None:
         handle.write(json.dumps(record) + "\n")
 
 
-def summary_text(summary: dict[str, Any]) -> str:
+def summary_text(summary: dict[str, Any], accuracy_label: str = DRAFT_METRICS.accuracy_label) -> str:
+    """The three lines printed at the end of a run (``accuracy_label``: the stage's name for it)."""
     acc = summary["final_acc"] or []
-    what = "recall@K" if summary["stage"] == "candidate_head" else "acc"
+    what = accuracy_label
     lines = [
         f"{'stopped' if summary['interrupted'] else 'done'}: {summary['steps']}/{summary['total_steps']} steps, "
         f"{summary['tokens']} tokens, {summary['tokens_per_s']:.0f} tokens/s, "

@@ -1,11 +1,13 @@
-"""The training loop: stream packed batches from the store, fit the draft, checkpoint, resume.
+"""The training loop: stream packed batches from the store, fit the stage's model, checkpoint, resume.
 
-Reads top to bottom like nanoGPT's train.py: setup (distributed, store, lineage, target heads,
-draft, objective, optimizer, loader), then one loop that does, per optimizer step and for each of
-``grad_accum_steps`` micro-batches: wait for a batch (timed: the data-wait fraction), move it to
-the device, run the objective (``pipelines.train.objective``: teacher + TTT unroll + loss, or the
-candidate head's KL for stage 2) and backpropagate; then clip, step AdamW with warmup+cosine,
-log, checkpoint.
+Reads top to bottom like nanoGPT's train.py. :func:`setup` does everything before step 1, in order:
+the store and its lineage, the target's heads, the stage's model (or the checkpoint's), its
+objective, AdamW, the loader. :func:`train` is the loop: per optimizer step and for each of
+``grad_accum_steps`` micro-batches, wait for a batch (timed: the data-wait fraction), move it to
+the device, run the objective and backpropagate; then clip, step AdamW with warmup+cosine, log,
+checkpoint. What differs between stages (EAGLE-3/EAGLE-4 drafts, the candidate head) is the
+stage plugin's (:mod:`pipelines.train.stages`): the features read, the model, the objective, the
+loss, the metrics' names. Nothing here asks which stage runs.
 
 DDP: ``torchrun --nproc_per_node N -m pipelines.cli train RECIPE`` (gloo on CPU, NCCL on GPU).
 The objective is an ``nn.Module`` wrapped in ``DistributedDataParallel`` (bucketed all-reduce
@@ -20,30 +22,24 @@ from __future__ import annotations
 import json
 import logging
 import math
-import signal
-import threading
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 import hsstore
-from hsstore.aux_layers import select_aux_layers
-from hsstore.loader import LoaderState, StreamingLoader
+from hsstore.batches import LoaderState
+from hsstore.loader import StreamingLoader
 from hsstore.read_cache import ReadCache
-from hsstore.torch_data import WaitTimer, to_device
-from pipelines.models.checkpoint import (
-    init_from_pretrained,
-    load_draft,
-    read_draft_config,
-    resolve_draft_dir,
-)
-from pipelines.models.eagle3 import Eagle3Config, Eagle3Draft
+from hsstore.torch_data import WaitTimer
+from pipelines.models.eagle3 import Eagle3Draft
 from pipelines.recipe import dump_recipe
 from pipelines.train import checkpoint as ckpt
-from pipelines.train.candidate import attach_candidate_head
 from pipelines.train.config import TrainRecipe
+from pipelines.train.data import LoaderSettings, batch_on_device, batch_stream, open_loader
 from pipelines.train.distributed import (
     Distributed,
     all_reduce_,
@@ -53,28 +49,13 @@ from pipelines.train.distributed import (
 )
 from pipelines.train.lineage_check import check_lineage, choose_teacher
 from pipelines.train.metrics import MetricsWindow, append_record, summary_text
-from pipelines.train.objective import (
-    AUX,
-    CandidateObjective,
-    DraftObjective,
-    loss_denominators,
-    objective_loss,
-)
+from pipelines.train.objective import loss_denominators
+from pipelines.train.preemption import Preemption
+from pipelines.train.stages import TrainingStage, stage_for
 from pipelines.train.target_heads import TargetHeads, load_target_heads
-from pipelines.train.teacher import TeacherHead
 from pipelines.train.teacher_mode import TeacherMode
-from pipelines.train.vocab import (
-    DraftVocab,
-    calibrate_vocab,
-    count_loss_tokens_in_table,
-    read_vocab_file,
-    write_vocab_file,
-)
 
 logger = logging.getLogger(__name__)
-
-
-# -- setup helpers ---------------------------------------------------------------------------
 
 
 def lr_at(step: int, total_steps: int, recipe: TrainRecipe) -> float:
@@ -87,148 +68,116 @@ def lr_at(step: int, total_steps: int, recipe: TrainRecipe) -> float:
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def draft_vocabulary(recipe: TrainRecipe, store: hsstore.Store, vocab_size: int) -> DraftVocab:
-    """Calibrated from the store's loss-masked token counts, read from a file, or the full vocab."""
-    vocab = recipe.draft.vocab
-    if vocab.full:
-        return DraftVocab.full(vocab_size)
-    if vocab.vocab_file is not None:
-        return read_vocab_file(vocab.vocab_file, vocab_size)
-    assert vocab.draft_vocab_size is not None
-    counts = count_loss_tokens_in_table(store.samples, vocab_size)
-    return calibrate_vocab(counts, min(vocab.draft_vocab_size, vocab_size))
+@dataclass
+class Progress:
+    """Where the run stands: what a checkpoint saves besides the weights, and resuming restores."""
+
+    step: int
+    loader_state: LoaderState  # the position after the last batch used
+    # tokens, padding, wait_s, wall_s: summed over ranks from the log records; skipped: this rank's
+    totals: dict[str, Any]
+
+    @classmethod
+    def restore(cls, saved: dict[str, Any] | None, start: LoaderState) -> Progress:
+        totals: dict[str, Any] = {"tokens": 0, "padding": 0, "wait_s": 0.0, "wall_s": 0.0, "skipped": 0}
+        if saved is None:
+            return cls(0, start, totals)
+        totals.update({k: v for k, v in saved.get("totals", {}).items() if k in totals})
+        return cls(int(saved["step"]), LoaderState.from_dict(saved["loader"]), totals)
 
 
-def build_draft(
-    recipe: TrainRecipe, store: hsstore.Store, heads: TargetHeads, output_dir: Path, is_main: bool
-) -> Eagle3Draft:
-    """A fresh stage-1 draft (vocab calibrated, embeddings copied, optionally ``init_from``) or, for
-    stage 2, the frozen stage-1 draft with a candidate head initialised from its lm_head's SVD."""
-    if recipe.stage == "candidate_head":
-        assert recipe.candidate_head.draft_checkpoint is not None
-        draft = load_draft(recipe.candidate_head.draft_checkpoint, embed_tokens=heads.embed_tokens_VH.float())
-        attach_candidate_head(draft, recipe.candidate_head.rank, recipe.candidate_head.num_candidates)
-        return draft
-    from transformers import AutoConfig
+@dataclass
+class TrainingRun:
+    """Everything the loop drives, built by :func:`setup`."""
 
-    vocab = draft_vocabulary(recipe, store, heads.vocab_size)
-    if is_main:
-        write_vocab_file(vocab, output_dir / "draft_vocab.json")
-    sizes = recipe.draft.model_dump(exclude={"vocab", "sliding_window"}, exclude_none=True)
-    config = Eagle3Config.from_target_config(
-        AutoConfig.from_pretrained(recipe.target),
-        draft_vocab_size=vocab.draft_vocab_size,
-        aux_layer_ids=training_aux_layer_ids(recipe, store),
-        sliding_window=recipe.draft.sliding_window,
-        **sizes,
-    )
-    draft = Eagle3Draft(config)
-    with torch.no_grad():
-        draft.embed_tokens.weight.copy_(heads.embed_tokens_VH)
-    draft.set_vocab_mapping(vocab.d2t, vocab.t2d)
-    if recipe.init_from is not None:
-        loaded = init_from_pretrained(draft, recipe.init_from)
-        logger.info("init_from %s: loaded %d tensors", recipe.init_from, len(loaded))
-    return draft
+    recipe: TrainRecipe
+    stage: TrainingStage
+    dist_state: Distributed
+    device: torch.device
+    teacher: TeacherMode
+    lineage: dict[str, Any]
+    draft: Eagle3Draft
+    model: nn.Module  # the stage's objective (DDP-wrapped on several ranks)
+    params: list[nn.Parameter]  # the trainable ones
+    optimizer: torch.optim.Optimizer
+    loader: StreamingLoader
+    batches: WaitTimer
+    total_steps: int
+    progress: Progress
 
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.recipe.output_dir)
 
-def continued_draft_aux_ids(recipe: TrainRecipe) -> list[int] | None:
-    """Aux layers of a draft this run continues (init_from / stage-1), for the lineage check."""
-    path = recipe.candidate_head.draft_checkpoint if recipe.stage == "candidate_head" else recipe.init_from
-    if path is None or not Path(path).is_dir():
-        return None
-    return list(read_draft_config(resolve_draft_dir(path)).aux_layer_ids)
+    @property
+    def ckpt_root(self) -> Path:
+        return self.output_dir / "checkpoints"
 
+    def optimizer_step(self, lr: float, window: MetricsWindow) -> int:
+        """One optimizer step over ``grad_accum_steps`` micro-batches; returns the last batch's epoch."""
+        recipe, dist_state, accum = self.recipe, self.dist_state, self.recipe.grad_accum_steps
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        for micro in range(accum):
+            host = next(self.batches)
+            batch = batch_on_device(host, self.loader, self.device)
+            with no_sync_unless(micro == accum - 1, self.model):
+                with autocast(recipe, self.device):
+                    out = self.model(batch.features, batch.input_ids, batch.position_ids, batch.loss_mask, batch.doc_ids)
+                counts = all_reduce_(torch.stack(out.counts).to(torch.float64), dist_state)
+                denominators = loss_denominators(recipe.loss_normalization, counts, batch.num_real_tokens, dist_state)
+                loss = self.stage.loss(out, denominators, dist_state.world_size)
+                (loss / accum).backward()
+            window.add_micro_batch(loss / dist_state.world_size, out, batch.num_real_tokens,
+                                   batch.num_padding_tokens, self.batches.last_wait)
+            self.progress.totals["skipped"] += batch.num_skipped_samples
+            self.progress.loader_state = self.loader.state_after(host)
+            host.release()  # the loader may refill its buffers (a GPU copy released them already)
+        grad_norm = (
+            torch.nn.utils.clip_grad_norm_(self.params, recipe.optimizer.grad_clip)
+            if recipe.optimizer.grad_clip is not None
+            else torch.zeros((), device=self.device)
+        )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.progress.step += 1
+        window.end_step(grad_norm)
+        return host.epoch
 
-# -- setup -----------------------------------------------------------------------------------
+    def log(self, window: MetricsWindow, epoch: int, lr: float, bar: Any | None) -> dict[str, Any]:
+        """Reduce the window over ranks (a host sync) and append it to ``metrics.jsonl``."""
+        record = window.reduce(self.progress.step, lr, epoch, self.dist_state)
+        for key, value in window.reduced_totals.items():
+            self.progress.totals[key] += value
+        if self.dist_state.is_main:
+            append_record(record, self.output_dir / "metrics.jsonl")
+            if bar is not None:
+                bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['acc'][0]:.3f}")
+        return record
 
+    def checkpoint(self, name: str) -> Path:
+        """Save the model, the optimizer and :class:`Progress` (rank 0 writes, every rank waits)."""
+        recipe, progress = self.recipe, self.progress
+        saved = {
+            "step": progress.step, "loader": progress.loader_state.to_dict(), "totals": progress.totals,
+            "stage": recipe.stage, "model": recipe.model, "teacher": self.teacher,
+            "world_size": self.dist_state.world_size, "total_steps": self.total_steps,
+            "recipe": recipe.model_dump(mode="json"), "lineage": self.lineage,
+        }
+        path = self.ckpt_root / name
+        if self.dist_state.is_main:
+            path = ckpt.save_checkpoint(self.ckpt_root, name, self.draft, self.optimizer, saved)
+            ckpt.prune_checkpoints(self.ckpt_root, recipe.keep_checkpoints)
+        if self.dist_state.world_size > 1:
+            import torch.distributed as dist
 
-def resume_or_build_draft(
-    recipe: TrainRecipe, store: hsstore.Store, heads: TargetHeads, output_dir: Path, resume_from: Path | None,
-    dist_state: Distributed, device: torch.device,
-) -> Eagle3Draft:
-    """The checkpoint's draft when resuming (stage 2: only its candidate head trains), else a new one."""
-    if resume_from is None:
-        draft = build_draft(recipe, store, heads, output_dir, dist_state.is_main)
-    else:
-        draft = load_draft(resume_from, device=device)
-        if recipe.stage == "candidate_head":
-            # The head's config (rank, K) came back with the checkpoint; only the head trains.
-            for param in draft.parameters():
-                param.requires_grad_(False)
-            assert draft.candidate_head is not None
-            for param in draft.candidate_head.parameters():
-                param.requires_grad_(True)
-    draft.embed_tokens.weight.requires_grad_(False)
-    return draft.to(device)
-
-
-def use_compile(recipe: TrainRecipe, device: torch.device) -> bool:
-    """``compile: auto`` compiles on CUDA only: the CPU CI has no compiler toolchain to rely on."""
-    return recipe.compile == "on" or (recipe.compile == "auto" and device.type == "cuda")
-
-
-def build_objective(
-    recipe: TrainRecipe, draft: Eagle3Draft, teacher_mode: TeacherMode, heads: TargetHeads, device: torch.device
-) -> DraftObjective | CandidateObjective:
-    if recipe.stage == "candidate_head":
-        assert draft.config.num_candidates is not None
-        return CandidateObjective(draft, recipe.ttt_length, draft.config.num_candidates, recipe.attention)
-    head = TeacherHead(heads.lm_head_VH, draft.d2t, draft.t2d) if teacher_mode == TeacherMode.FINAL_HIDDEN else None
-    return DraftObjective(
-        draft, teacher_mode, head, recipe.ttt_length, recipe.attention, compile=use_compile(recipe, device)
-    )
-
-
-def training_aux_layer_ids(recipe: TrainRecipe, store: hsstore.Store) -> list[int]:
-    """The aux layer ids this run trains on: the recipe's subset of the store's captured layers."""
-    captured = list(store.lineage.aux_layer_ids)
-    return [captured[i] for i in select_aux_layers(captured, recipe.aux_layer_ids)]
-
-
-def loader_arguments(recipe: TrainRecipe, dist_state: Distributed, device: torch.device) -> dict[str, Any]:
-    """The loader's keyword arguments, shared by the in-process loader and DataLoader workers."""
-    settings = recipe.loader
-    return dict(
-        token_budget=settings.token_budget, rows_per_batch=settings.rows_per_batch, seed=recipe.seed,
-        shuffle_window=settings.shuffle_window, rank=dist_state.rank, world_size=dist_state.world_size,
-        remainder=settings.remainder, long_samples=settings.long_samples, read_threads=settings.read_threads,
-        prefetch_batches=settings.prefetch_batches, skip_corrupt=recipe.skip_corrupt,
-        # Training on the CPU: fp8 features are decoded by the read threads, overlapping the step;
-        # a GPU decodes them for free and the host moves half the bytes.
-        decode_on_host=device.type == "cpu",
-    )
+            dist.barrier()
+        return path
 
 
-class _Preemption:
-    """SIGTERM/SIGINT set a flag; the loop checkpoints at the end of the step and returns."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _Preemption:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.requested:  # a second signal: stop now
-            raise KeyboardInterrupt
-        logger.warning("signal %d: checkpointing after this step, then stopping", signum)
-        self.requested = True
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def agreed(self, dist_state: Distributed) -> bool:
-        """Whether any rank was signalled (an all-reduce: called at log steps only on several ranks)."""
-        if dist_state.world_size == 1:
-            return self.requested
-        flag = torch.tensor([float(self.requested)], device=dist_state.device)
-        return bool(all_reduce_(flag, dist_state).item())
+def autocast(recipe: TrainRecipe, device: torch.device) -> AbstractContextManager[Any]:
+    """bf16 autocast for the draft's matmuls on CUDA (``recipe.bf16``); nothing on the CPU."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if recipe.bf16 and device.type == "cuda" else nullcontext()
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -242,7 +191,16 @@ def run_training(recipe: TrainRecipe, *, stop_at_step: int | None = None) -> dic
     """
     dist_state, device = setup_distributed(recipe.device)
     try:
-        return _run(recipe, dist_state, device, stop_at_step)
+        run = setup(recipe, dist_state, device)
+        interrupted, last_log = train(run, stop_at_step)
+        final_path = run.ckpt_root / ckpt.FINAL_NAME
+        if not interrupted:
+            final_path = run.checkpoint(ckpt.FINAL_NAME)
+        summary = _summary(run, interrupted, final_path, last_log)
+        if dist_state.is_main:
+            (run.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            print(summary_text(summary, run.stage.metrics.accuracy_label))
+        return summary
     finally:
         if dist_state.owns_group:
             import torch.distributed as dist
@@ -250,167 +208,112 @@ def run_training(recipe: TrainRecipe, *, stop_at_step: int | None = None) -> dic
             dist.destroy_process_group()
 
 
-def _run(recipe: TrainRecipe, dist_state: Distributed, device: torch.device, stop_at_step: int | None) -> dict[str, Any]:
+def setup(recipe: TrainRecipe, dist_state: Distributed, device: torch.device) -> TrainingRun:
+    """Everything before step 1 (a resumed run: as its newest checkpoint left it)."""
+    stage = stage_for(recipe)
     output_dir = Path(recipe.output_dir)
-    ckpt_root = output_dir / "checkpoints"
     if dist_state.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         dump_recipe(recipe, output_dir / "recipe.yaml")
     torch.manual_seed(recipe.seed)
 
     # Store and lineage: refuse a mismatched store before anything is computed.
-    cache = ReadCache(recipe.loader.cache_dir, recipe.loader.cache_max_bytes) if recipe.loader.cache_dir else None
-    store = hsstore.open_store(recipe.store, storage_options=recipe.storage_options or None, cache=cache)
-    teacher_mode = choose_teacher(store, recipe.teacher)
+    store = open_training_store(recipe)
+    teacher = choose_teacher(store, recipe.teacher)
     lineage = check_lineage(
         store, recipe.target, expect_aux_layer_ids=recipe.expect_aux_layer_ids,
-        draft_aux_layer_ids=continued_draft_aux_ids(recipe), hash_weights=recipe.verify_weights,
+        draft_aux_layer_ids=stage.continued_aux_layer_ids(), hash_weights=recipe.verify_weights,
         aux_layer_ids=recipe.aux_layer_ids,
     )
     logger.info("lineage ok: %s", lineage)
 
-    # What of the target is needed: embed_tokens (draft input) and lm_head (the teacher).
+    # The model. What of the target is needed: embed_tokens (draft input) and lm_head (the teacher).
     heads = load_target_heads(recipe.target, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16).to(device)
-    resume_from = ckpt.latest_checkpoint(ckpt_root) if recipe.resume else None
-    draft = resume_or_build_draft(recipe, store, heads, output_dir, resume_from, dist_state, device)
-    objective = build_objective(recipe, draft, teacher_mode, heads, device)
-    model = wrap_ddp(objective, dist_state)
+    resume_from = ckpt.latest_checkpoint(output_dir / "checkpoints") if recipe.resume else None
+    if resume_from is None:
+        draft = stage.build_model(store, heads, output_dir, dist_state.is_main)
+    else:
+        draft = stage.resume_model(resume_from, device)
+    draft.embed_tokens.weight.requires_grad_(False)
+    draft = draft.to(device)
+    model = wrap_ddp(stage.build_objective(draft, teacher, heads, device), dist_state)
     params = [p for p in draft.parameters() if p.requires_grad]
+    settings = recipe.optimizer
     optimizer = torch.optim.AdamW(
-        params, lr=recipe.optimizer.lr, betas=recipe.optimizer.betas, eps=recipe.optimizer.eps,
-        weight_decay=recipe.optimizer.weight_decay, fused=device.type == "cuda",
+        params, lr=settings.lr, betas=settings.betas, eps=settings.eps, weight_decay=settings.weight_decay,
+        fused=device.type == "cuda",
     )
-    state = ckpt.read_state(resume_from) if resume_from is not None else None
-    if resume_from is not None and state is not None:
+    saved = ckpt.read_state(resume_from) if resume_from is not None else None
+    if resume_from is not None and saved is not None:
         ckpt.load_optimizer(optimizer, resume_from, device)
-        logger.info("resuming from %s (step %d)", resume_from, state["step"])
+        logger.info("resuming from %s (step %d)", resume_from, saved["step"])
 
-    # The loader: teacher features only for stage 1 (stage 2's teacher is the draft's own head).
-    features = [AUX] + (list(teacher_mode.features) if recipe.stage == "draft" else [])
-    loader_kwargs = loader_arguments(recipe, dist_state, device)
-    # Only the chosen aux layers are read (a store written with layer_arrays reads only their bytes).
-    loader_kwargs["layers"] = {AUX: select_aux_layers(store.lineage.aux_layer_ids, recipe.aux_layer_ids)}
-    loader = StreamingLoader(store, features, **loader_kwargs)
+    # The data: the features this stage reads with this teacher, from where the checkpoint left off.
+    loader_settings = LoaderSettings.from_recipe(recipe, store, dist_state, device)
+    loader = open_loader(store, stage.features(teacher), loader_settings)
     logger.info(
         "reading %s (%d samples) through %s: %d reads in flight, %d batches ahead", store.url,
         loader.num_samples, store.location.range_reader, loader.read_threads, loader.prefetch_batches,
     )
-    accum = recipe.grad_accum_steps
-    total_steps = recipe.max_steps or sum(loader.num_batches(e) for e in range(recipe.schedule.epochs)) // accum
-    step = 0
-    loader_state = loader.initial_state()
-    totals = {"tokens": 0, "padding": 0, "wait_s": 0.0, "wall_s": 0.0, "skipped": 0}
-    if state is not None:
-        step = int(state["step"])
-        loader_state = LoaderState.from_dict(state["loader"])
-        totals.update({k: v for k, v in state.get("totals", {}).items() if k in totals})
-    if recipe.loader.num_workers > 0:
-        from hsstore.torch_data import make_dataloader
+    epochs = range(recipe.schedule.epochs)
+    total_steps = recipe.max_steps or sum(loader.num_batches(e) for e in epochs) // recipe.grad_accum_steps
+    progress = Progress.restore(saved, loader.initial_state())
+    batches = WaitTimer(batch_stream(loader, loader_settings, progress.loader_state, recipe.loader.num_workers))
+    return TrainingRun(
+        recipe=recipe, stage=stage, dist_state=dist_state, device=device, teacher=teacher, lineage=lineage,
+        draft=draft, model=model, params=params, optimizer=optimizer, loader=loader, batches=batches,
+        total_steps=total_steps, progress=progress,
+    )
 
-        batches = iter(make_dataloader(store, features, loader_state, num_workers=recipe.loader.num_workers,
-                                       **loader_kwargs))
-    else:
-        batches = loader.batches(loader_state)
-    timer = WaitTimer(batches)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if recipe.bf16 and device.type == "cuda" else nullcontext()
-    metrics_path = output_dir / "metrics.jsonl"
-    window = MetricsWindow(recipe.stage)
+
+def train(run: TrainingRun, stop_at_step: int | None = None) -> tuple[bool, dict[str, Any]]:
+    """Optimizer steps until ``total_steps``, or until a signal or ``stop_at_step`` (then a
+    checkpoint). Returns whether it was interrupted, and the last metrics record."""
+    recipe, dist_state, progress = run.recipe, run.dist_state, run.progress
+    window = MetricsWindow(run.stage.metrics)
     last_log: dict[str, Any] = {}
-    progress = None
+    bar = None
     if dist_state.is_main:
         from tqdm.auto import tqdm
 
-        progress = tqdm(total=total_steps, initial=step, desc=f"train {recipe.stage}", unit="step", dynamic_ncols=True)
-
-    def checkpoint(name: str) -> Path:
-        saved = {
-            "step": step, "loader": loader_state.to_dict(), "totals": totals, "stage": recipe.stage,
-            "model": recipe.model, "teacher": teacher_mode, "world_size": dist_state.world_size,
-            "total_steps": total_steps, "recipe": recipe.model_dump(mode="json"), "lineage": lineage,
-        }
-        path = ckpt_root / name
-        if dist_state.is_main:
-            path = ckpt.save_checkpoint(ckpt_root, name, draft, optimizer, saved)
-            ckpt.prune_checkpoints(ckpt_root, recipe.keep_checkpoints)
-        if dist_state.world_size > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
-        return path
-
-    def log(epoch: int, lr: float) -> dict[str, Any]:
-        record = window.reduce(step, lr, epoch, dist_state)
-        for key, value in window.reduced_totals.items():
-            totals[key] += value
-        if dist_state.is_main:
-            append_record(record, metrics_path)
-            if progress is not None:
-                progress.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['acc'][0]:.3f}")
-        return record
-
+        bar = tqdm(total=run.total_steps, initial=progress.step, desc=f"train {recipe.stage}", unit="step",
+                   dynamic_ncols=True)
     interrupted = False
-    with _Preemption() as preemption:
-        while step < total_steps:
-            lr = lr_at(step, total_steps, recipe)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            for micro in range(accum):
-                host = next(timer)
-                batch = to_device(host, loader.specs, device, pin_memory=device.type == "cuda")
-                if device.type == "cpu":  # CPU bf16 matmuls are slow; features go in as float32
-                    batch.features = {k: v.float() if v.is_floating_point() else v for k, v in batch.features.items()}
-                with no_sync_unless(micro == accum - 1, model):
-                    with autocast:
-                        out = model(batch.features, batch.input_ids, batch.position_ids, batch.loss_mask, batch.doc_ids)
-                    counts = all_reduce_(torch.stack(out.counts).to(torch.float64), dist_state)
-                    denominators = loss_denominators(recipe.loss_normalization, counts, batch.num_real_tokens, dist_state)
-                    loss = objective_loss(out, denominators, recipe.loss_decay, recipe.stage != "draft", dist_state.world_size)
-                    (loss / accum).backward()
-                window.add_micro_batch(loss / dist_state.world_size, out, batch.num_real_tokens,
-                                       batch.num_padding_tokens, timer.last_wait)
-                totals["skipped"] += batch.num_skipped_samples
-                loader_state = loader.state_after(host)
-                host.release()  # the loader may refill its buffers (a GPU copy released them already)
-            grad_norm = (
-                torch.nn.utils.clip_grad_norm_(params, recipe.optimizer.grad_clip)
-                if recipe.optimizer.grad_clip is not None
-                else torch.zeros((), device=device)
-            )
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            window.end_step(grad_norm)
+    with Preemption() as preemption:
+        while progress.step < run.total_steps:
+            lr = lr_at(progress.step, run.total_steps, recipe)
+            epoch = run.optimizer_step(lr, window)
+            step = progress.step
 
-            at_log = step % recipe.log_every == 0 or step == total_steps
+            at_log = step % recipe.log_every == 0 or step == run.total_steps
             if at_log:
-                last_log = log(host.epoch, lr)
-            if progress is not None:
-                progress.update(1)
-            if recipe.checkpoint_every and step % recipe.checkpoint_every == 0 and step < total_steps:
-                checkpoint(ckpt.step_dir_name(step))
+                last_log = run.log(window, epoch, lr, bar)
+            if bar is not None:
+                bar.update(1)
+            if recipe.checkpoint_every and step % recipe.checkpoint_every == 0 and step < run.total_steps:
+                run.checkpoint(ckpt.step_dir_name(step))
             # Several ranks agree on a signal at log steps only (one all-reduce and host sync each).
             signalled = preemption.agreed(dist_state) if (dist_state.world_size == 1 or at_log) else False
-            if (stop_at_step is not None and step >= stop_at_step and step < total_steps) or signalled:
+            if (stop_at_step is not None and step >= stop_at_step and step < run.total_steps) or signalled:
                 if window.steps:
-                    last_log = log(host.epoch, lr)
-                checkpoint(ckpt.step_dir_name(step))
+                    last_log = run.log(window, epoch, lr, bar)
+                run.checkpoint(ckpt.step_dir_name(step))
                 interrupted = True
                 break
-    if progress is not None:
-        progress.close()
-    final_path = ckpt_root / ckpt.FINAL_NAME
-    if not interrupted:
-        final_path = checkpoint(ckpt.FINAL_NAME)
-    summary = _summary(recipe, step, total_steps, totals, last_log, loader, dist_state, interrupted, final_path)
-    if dist_state.is_main:
-        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        print(summary_text(summary))
-    return summary
+    if bar is not None:
+        bar.close()
+    return interrupted, last_log
 
 
-def _summary(recipe: TrainRecipe, step: int, total_steps: int, totals: dict[str, Any], last_log: dict[str, Any],
-             loader: StreamingLoader, dist_state: Distributed, interrupted: bool, final_path: Path) -> dict[str, Any]:
-    plan = loader.plan(0)
+def open_training_store(recipe: TrainRecipe) -> hsstore.Store:
+    """The recipe's store, with a local read cache when ``loader.cache_dir`` is set."""
+    cache = ReadCache(recipe.loader.cache_dir, recipe.loader.cache_max_bytes) if recipe.loader.cache_dir else None
+    return hsstore.open_store(recipe.store, storage_options=recipe.storage_options or None, cache=cache)
+
+
+def _summary(run: TrainingRun, interrupted: bool, final_path: Path, last_log: dict[str, Any]) -> dict[str, Any]:
+    recipe, dist_state, totals = run.recipe, run.dist_state, run.progress.totals
+    plan = run.loader.plan(0)
     # Tokens, padding, wait and wall time come from the log records (already summed over ranks);
     # skipped samples are counted per rank.
     skipped = int(all_reduce_(torch.tensor([float(totals["skipped"])], dtype=torch.float64), dist_state)[0])
@@ -418,8 +321,8 @@ def _summary(recipe: TrainRecipe, step: int, total_steps: int, totals: dict[str,
     return {
         "stage": recipe.stage,
         "model": recipe.model,
-        "steps": step,
-        "total_steps": total_steps,
+        "steps": run.progress.step,
+        "total_steps": run.total_steps,
         "interrupted": interrupted,
         "world_size": dist_state.world_size,
         "tokens": int(totals["tokens"]),
@@ -435,3 +338,20 @@ def _summary(recipe: TrainRecipe, step: int, total_steps: int, totals: dict[str,
         "checkpoint": str(final_path) if not interrupted else str(ckpt.latest_checkpoint(final_path.parent)),
         "wall_s": wall_s,
     }
+
+
+# -- one stage's pieces without the loop (benchmarks/bench_train.py times the objective alone) --
+
+
+def build_draft(
+    recipe: TrainRecipe, store: hsstore.Store, heads: TargetHeads, output_dir: Path, is_main: bool
+) -> Eagle3Draft:
+    """The recipe's stage's model at step 0."""
+    return stage_for(recipe).build_model(store, heads, output_dir, is_main)
+
+
+def build_objective(
+    recipe: TrainRecipe, draft: Eagle3Draft, teacher_mode: TeacherMode, heads: TargetHeads, device: torch.device
+) -> nn.Module:
+    """The recipe's stage's objective around ``draft``."""
+    return stage_for(recipe).build_objective(draft, teacher_mode, heads, device)
