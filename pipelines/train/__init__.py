@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pipelines.train.config import TrainRecipe
+from pipelines.train.teacher_mode import TeacherMode
 
 if TYPE_CHECKING:
     from pipelines.train.trainer import run_training as run_training
@@ -22,4 +23,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["TrainRecipe", "run_training"]
+__all__ = ["TeacherMode", "TrainRecipe", "run_training"]
