@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+import hsstore
 from hsstore.errors import RecipeError
 from pipelines.evaluate.decoding import (
     GenerationResult,
@@ -27,7 +29,7 @@ from pipelines.evaluate.decoding import (
 from pipelines.evaluate.drafter import TreeDrafter, check_draft_fits
 from pipelines.evaluate.metrics import greedy_agreement, report_text, summarize, summarize_baseline
 from pipelines.evaluate.prompts import Prompt, load_prompts
-from pipelines.evaluate.recipe import EvaluateRecipe
+from pipelines.evaluate.recipe import DecodeSetting, EvaluateRecipe
 from pipelines.evaluate.target import (
     TargetModel,
     load_causal_lm,
@@ -97,22 +99,56 @@ def _decode_all(prompts: list[Prompt], decode: Any, warmup_tokens: int) -> list[
     return [decode(p, None) for p in prompts]
 
 
+@dataclass
+class EvaluationSession:
+    """What every setting decodes with: the target, the draft and its drafter, the prompts."""
+
+    recipe: EvaluateRecipe
+    device: torch.device
+    draft: Eagle3Draft
+    draft_format: str  # "exported" or "project"
+    target: TargetModel
+    drafter: TreeDrafter
+    prompts: list[Prompt]
+    eos: set[int]  # the target's stop tokens
+    proxy_store: hsstore.Store | None  # the offline proxy's store, opened first: a missing one fails early
+
+
 def run_evaluation(recipe: EvaluateRecipe) -> dict[str, Any]:
     """Decode every prompt with every setting; write and return the results dict."""
+    session = open_session(recipe)
+    # Target-only decoding, once per distinct (temperature, top_p), shared by the settings.
+    baselines: dict[tuple[float, float], list[GenerationResult]] = {}
+    settings_out = [evaluate_setting(session, setting, baselines) for setting in recipe.settings]
+    proxy = None
+    if recipe.proxy is not None:
+        from pipelines.evaluate.proxy import offline_proxy
+
+        proxy = offline_proxy(
+            session.draft, recipe.proxy, recipe.target, recipe.settings, session.device, session.proxy_store
+        )
+    results = results_dict(session, settings_out, proxy)
+    write_results(results, recipe)
+    return results
+
+
+def open_session(recipe: EvaluateRecipe) -> EvaluationSession:
+    """Load the target and the draft, check they fit (and the settings, and the proxy store's
+    layers), tokenize the prompts."""
     from transformers import AutoTokenizer
 
     device, dtype = resolve_device(recipe.device), resolve_dtype(recipe.dtype)
     torch.manual_seed(recipe.seed)
     proxy_store = None
     if recipe.proxy is not None:
-        from pipelines.evaluate.proxy import check_proxy_layers, offline_proxy, open_proxy_store
+        from pipelines.evaluate.proxy import open_proxy_store
 
         proxy_store = open_proxy_store(recipe.proxy)  # a missing store fails now, not after decoding
     model = load_causal_lm(recipe.target, dtype, device, recipe.attn_implementation)
-    draft, draft_format = load_evaluation_draft(
-        recipe.draft, model, dtype, device, recipe.aux_layer_ids
-    )
+    draft, draft_format = load_evaluation_draft(recipe.draft, model, dtype, device, recipe.aux_layer_ids)
     if recipe.proxy is not None and proxy_store is not None:
+        from pipelines.evaluate.proxy import check_proxy_layers
+
         check_proxy_layers(proxy_store, recipe.proxy, draft)
     target = TargetModel(model, list(draft.config.aux_layer_ids))
     drafter = TreeDrafter(draft, target)
@@ -122,120 +158,123 @@ def run_evaluation(recipe: EvaluateRecipe) -> dict[str, Any]:
                 f"settings.{i} ({setting.label}): draft_top_k={setting.top_k} exceeds the "
                 f"{drafter.max_top_k} candidates this draft can rank"
             )
-    tokenizer = AutoTokenizer.from_pretrained(recipe.target)
-    prompts = load_prompts(recipe.prompts, tokenizer, recipe.limit)
-    eos = eos_token_ids(model)
+    prompts = load_prompts(recipe.prompts, AutoTokenizer.from_pretrained(recipe.target), recipe.limit)
     logger.info(
         "evaluating %s (%s) on %s with %d prompts, %d settings",
-        recipe.draft,
-        draft_format,
-        recipe.target,
-        len(prompts),
-        len(recipe.settings),
+        recipe.draft, draft_format, recipe.target, len(prompts), len(recipe.settings),
+    )
+    return EvaluationSession(
+        recipe=recipe, device=device, draft=draft, draft_format=draft_format, target=target, drafter=drafter,
+        prompts=prompts, eos=eos_token_ids(model), proxy_store=proxy_store,
     )
 
-    baselines: dict[tuple[float, float], list[GenerationResult]] = {}
-    settings_out = []
-    for setting in recipe.settings:
-        sampling = SamplingConfig(setting.temperature, setting.top_p)
-        shape = TreeShape(setting.top_k, setting.depth, setting.num_nodes)
-        generator = torch.Generator().manual_seed(recipe.seed)
 
-        def speculative(
-            prompt: Prompt, cap: int | None, shape=shape, sampling=sampling, generator=generator
-        ):
-            return speculative_generate(
-                target,
-                drafter,
-                prompt.input_ids,
-                shape,
-                sampling,
-                cap or recipe.max_new_tokens,
-                eos,
-                generator,
-            )
+def evaluate_setting(
+    session: EvaluationSession,
+    setting: DecodeSetting,
+    baselines: dict[tuple[float, float], list[GenerationResult]],
+) -> dict[str, Any]:
+    """Speculative decoding of every prompt with one setting; with ``recipe.baseline``, compared
+    with target-only decoding at the same sampling (computed once per sampling, into ``baselines``)."""
+    recipe, prompts = session.recipe, session.prompts
+    sampling = SamplingConfig(setting.temperature, setting.top_p)
+    shape = TreeShape(setting.top_k, setting.depth, setting.num_nodes)
+    generator = torch.Generator().manual_seed(recipe.seed)
 
-        results = _decode_all(prompts, speculative, recipe.warmup_tokens)
-        summary: dict[str, Any] = {
-            "name": setting.label,
-            "draft_top_k": shape.top_k,
-            "draft_depth": shape.depth,
-            "total_draft_tokens": shape.total_draft_tokens,
-            "chain": setting.num_draft_tokens is not None,
-            "temperature": setting.temperature,
-            "top_p": setting.top_p,
-            **summarize(results),
-        }
-        if recipe.baseline:
-            key = (setting.temperature, setting.top_p)
-            if key not in baselines:
-                base_generator = torch.Generator().manual_seed(recipe.seed)
-
-                def plain(
-                    prompt: Prompt, cap: int | None, sampling=sampling, generator=base_generator
-                ):
-                    return target_only_generate(
-                        target,
-                        prompt.input_ids,
-                        sampling,
-                        cap or recipe.max_new_tokens,
-                        eos,
-                        generator,
-                    )
-
-                baselines[key] = _decode_all(prompts, plain, recipe.warmup_tokens)
-            base = summarize_baseline(baselines[key])
-            summary["target_only"] = base
-            if summary["tokens_per_second"] and base["tokens_per_second"]:
-                summary["speedup"] = summary["tokens_per_second"] / base["tokens_per_second"]
-            if sampling.greedy:
-                summary["greedy_agreement"] = greedy_agreement(
-                    [p.id for p in prompts],
-                    [r.output_ids for r in results],
-                    [r.output_ids for r in baselines[key]],
-                )
-        if recipe.save_outputs:
-            summary["outputs"] = [
-                {"id": p.id, "output_ids": r.output_ids}
-                for p, r in zip(prompts, results, strict=True)
-            ]
-        logger.info(
-            "%s: acceptance length %.3f, %.1f tokens/s%s",
-            setting.label,
-            summary["acceptance_length"] or 0.0,
-            summary["tokens_per_second"] or 0.0,
-            f", speedup {summary['speedup']:.2f}x" if summary.get("speedup") else "",
+    def speculative(prompt: Prompt, cap: int | None) -> GenerationResult:
+        return speculative_generate(
+            session.target, session.drafter, prompt.input_ids, shape, sampling,
+            cap or recipe.max_new_tokens, session.eos, generator,
         )
-        settings_out.append(summary)
 
-    proxy = None
-    if recipe.proxy is not None:
-        proxy = offline_proxy(draft, recipe.proxy, recipe.target, recipe.settings, device, proxy_store)
+    results = _decode_all(prompts, speculative, recipe.warmup_tokens)
+    summary: dict[str, Any] = {
+        "name": setting.label,
+        "draft_top_k": shape.top_k,
+        "draft_depth": shape.depth,
+        "total_draft_tokens": shape.total_draft_tokens,
+        "chain": setting.num_draft_tokens is not None,
+        "temperature": setting.temperature,
+        "top_p": setting.top_p,
+        **summarize(results),
+    }
+    if recipe.baseline:
+        key = (setting.temperature, setting.top_p)
+        if key not in baselines:
+            baselines[key] = _target_only(session, sampling)
+        summary.update(_compare_with_baseline(summary, results, baselines[key], prompts, sampling))
+    if recipe.save_outputs:
+        summary["outputs"] = [
+            {"id": p.id, "output_ids": r.output_ids} for p, r in zip(prompts, results, strict=True)
+        ]
+    logger.info(
+        "%s: acceptance length %.3f, %.1f tokens/s%s",
+        setting.label,
+        summary["acceptance_length"] or 0.0,
+        summary["tokens_per_second"] or 0.0,
+        f", speedup {summary['speedup']:.2f}x" if summary.get("speedup") else "",
+    )
+    return summary
 
+
+def _target_only(session: EvaluationSession, sampling: SamplingConfig) -> list[GenerationResult]:
+    """Every prompt decoded by the target alone (same seed): the speed and output references."""
+    recipe = session.recipe
+    generator = torch.Generator().manual_seed(recipe.seed)
+
+    def plain(prompt: Prompt, cap: int | None) -> GenerationResult:
+        return target_only_generate(
+            session.target, prompt.input_ids, sampling, cap or recipe.max_new_tokens, session.eos, generator
+        )
+
+    return _decode_all(session.prompts, plain, recipe.warmup_tokens)
+
+
+def _compare_with_baseline(
+    summary: dict[str, Any],
+    results: list[GenerationResult],
+    baseline: list[GenerationResult],
+    prompts: list[Prompt],
+    sampling: SamplingConfig,
+) -> dict[str, Any]:
+    """``target_only``, ``speedup`` (when both speeds are known) and, greedy, ``greedy_agreement``."""
+    base = summarize_baseline(baseline)
+    compared: dict[str, Any] = {"target_only": base}
+    if summary["tokens_per_second"] and base["tokens_per_second"]:
+        compared["speedup"] = summary["tokens_per_second"] / base["tokens_per_second"]
+    if sampling.greedy:
+        compared["greedy_agreement"] = greedy_agreement(
+            [p.id for p in prompts], [r.output_ids for r in results], [r.output_ids for r in baseline]
+        )
+    return compared
+
+
+def results_dict(
+    session: EvaluationSession, settings_out: list[dict[str, Any]], proxy: dict[str, Any] | None
+) -> dict[str, Any]:
+    """What ``evaluation_results.json`` holds: the run's configuration, every setting, the proxy."""
+    recipe = session.recipe
     acceptance = {s["name"]: s["acceptance_length"] for s in settings_out}
-    results_dict: dict[str, Any] = {
+    results: dict[str, Any] = {
         "target": recipe.target,
         "draft": recipe.draft,
-        "draft_format": draft_format,
+        "draft_format": session.draft_format,
         "prompts": recipe.prompts,
-        "num_prompts": len(prompts),
+        "num_prompts": len(session.prompts),
         "max_new_tokens": recipe.max_new_tokens,
-        "device": str(device),
+        "device": str(session.device),
         "dtype": recipe.dtype,
         "attn_implementation": recipe.attn_implementation,
         "batch_size": 1,
         "seed": recipe.seed,
-        "acceptance_length": next(iter(acceptance.values()))
-        if len(acceptance) == 1
-        else acceptance,
+        "acceptance_length": next(iter(acceptance.values())) if len(acceptance) == 1 else acceptance,
         "settings": settings_out,
         "offline_proxy": proxy,
     }
     if recipe.save_outputs:
         # The first setting's outputs at the top level; every setting carries its own.
-        results_dict["outputs"] = settings_out[0]["outputs"]
-    write_results(results_dict, recipe)
-    return results_dict
+        results["outputs"] = settings_out[0]["outputs"]
+    return results
 
 
 def _atomic_write(path: Path, text: str) -> None:
