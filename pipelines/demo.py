@@ -98,10 +98,6 @@ def run_demo(
     import hsstore
     from pipelines.evaluate import run_evaluation
     from pipelines.export.serving import export_draft
-    from pipelines.extract import ExtractRecipe, run_extraction
-    from pipelines.recipe import load_recipe
-    from pipelines.train.config import TrainRecipe
-    from pipelines.train.trainer import run_training
 
     if fresh and workdir.exists():
         shutil.rmtree(workdir)
@@ -113,11 +109,55 @@ def run_demo(
     store_url = str(workdir / "store")
     timings: dict[str, float] = {}
 
-    def step(name: str) -> None:
-        print(f"\n== {name} " + "=" * max(0, 60 - len(name)), flush=True)
-
-    step("1/4 extract: the target runs once over the data")
+    _banner("1/4 extract: the target runs once over the data")
     started = time.perf_counter()
+    extraction = extract_step(store_url, records, max_length, executor, device, dtype)
+    timings["extract_s"] = time.perf_counter() - started
+    info = hsstore.open_store(store_url).info()
+
+    _banner("2/4 train: an EAGLE-3 draft from the store (no target forward)")
+    started = time.perf_counter()
+    training = train_step(store_url, workdir / "eagle3", train_steps, max_length, device)
+    timings["train_s"] = time.perf_counter() - started
+    checkpoint = Path(training["checkpoint"])
+
+    _banner("3/4 export: the vLLM/SGLang EAGLE-3 layout")
+    export_dir = export_draft(checkpoint, "eagle3", workdir / "export-eagle3", overwrite=True)
+    print(f"exported {checkpoint} -> {export_dir}")
+
+    _banner("4/4 evaluate: real speculative decoding, the target verifies")
+    started = time.perf_counter()
+    evaluation = run_evaluation(
+        evaluate_recipe(export_dir, workdir, prompts, max_new_tokens, gpu, [f"proxy.store={store_url}"])
+    )
+    timings["evaluate_s"] = time.perf_counter() - started
+
+    results = {
+        **_what_was_done(info, extraction, training, evaluation),
+        "artifacts": {
+            "store": store_url,
+            "rejects": str(Path(store_url) / "rejects"),
+            "checkpoint": str(checkpoint),
+            "export": str(export_dir),
+            "evaluation": str(workdir / "evaluate" / "evaluation_results.json"),
+            "metrics": str(workdir / "eagle3" / "metrics.jsonl"),
+        },
+        "timings_s": timings,
+        "device": device,
+    }
+    (workdir / "demo.json").write_text(json.dumps(results, indent=2, default=str))
+    return results
+
+
+def _banner(name: str) -> None:
+    print(f"\n== {name} " + "=" * max(0, 60 - len(name)), flush=True)
+
+
+def extract_step(store_url: str, records: int, max_length: int, executor: str, device: str, dtype: str) -> Any:
+    """``recipes/reference/extract.yaml`` over the first ``records`` of the bundled slice."""
+    from pipelines.extract import ExtractRecipe, run_extraction
+    from pipelines.recipe import load_recipe
+
     extract = load_recipe(
         ExtractRecipe,
         RECIPES / "extract.yaml",
@@ -136,19 +176,22 @@ def run_demo(
     )
     extraction = run_extraction(extract, progress=True)
     print(extraction.format())
-    timings["extract_s"] = time.perf_counter() - started
-    store = hsstore.open_store(store_url)
-    info = store.info()
+    return extraction
 
-    step("2/4 train: an EAGLE-3 draft from the store (no target forward)")
-    started = time.perf_counter()
+
+def train_step(store_url: str, output_dir: Path, train_steps: int, max_length: int, device: str) -> dict[str, Any]:
+    """``recipes/reference/train-eagle3.yaml`` on the store: rows of two records, a checkpoint halfway."""
+    from pipelines.recipe import load_recipe
+    from pipelines.train.config import TrainRecipe
+    from pipelines.train.trainer import run_training
+
     train = load_recipe(
         TrainRecipe,
         RECIPES / "train-eagle3.yaml",
         [
             f"store={store_url}",
             f"target={TARGET}",
-            f"output_dir={workdir / 'eagle3'}",
+            f"output_dir={output_dir}",
             f"max_steps={train_steps}",
             f"loader.token_budget={2 * max_length}",
             "schedule.warmup_steps=10",
@@ -157,22 +200,14 @@ def run_demo(
             "log_every=10",
         ],
     )
-    training = run_training(train)
-    timings["train_s"] = time.perf_counter() - started
-    checkpoint = Path(training["checkpoint"])
+    return run_training(train)
 
-    step("3/4 export: the vLLM/SGLang EAGLE-3 layout")
-    export_dir = export_draft(checkpoint, "eagle3", workdir / "export-eagle3", overwrite=True)
-    print(f"exported {checkpoint} -> {export_dir}")
 
-    step("4/4 evaluate: real speculative decoding, the target verifies")
-    started = time.perf_counter()
-    evaluation = run_evaluation(
-        evaluate_recipe(export_dir, workdir, prompts, max_new_tokens, gpu, [f"proxy.store={store_url}"])
-    )
-    timings["evaluate_s"] = time.perf_counter() - started
-
-    results = {
+def _what_was_done(
+    info: dict[str, Any], extraction: Any, training: dict[str, Any], evaluation: dict[str, Any]
+) -> dict[str, Any]:
+    """The numbers the table shows: the store's size, each step's speed, each setting's acceptance."""
+    return {
         "samples": info["num_samples"],
         "tokens": info["num_tokens"],
         "bytes_per_token": info["bytes_per_token"],
@@ -182,19 +217,7 @@ def run_demo(
         "train_tokens_per_s": training["tokens_per_s"],
         "train_final_acc": training["final_acc"],
         "settings": settings_summary(evaluation),
-        "artifacts": {
-            "store": store_url,
-            "rejects": str(Path(store_url) / "rejects"),
-            "checkpoint": str(checkpoint),
-            "export": str(export_dir),
-            "evaluation": str(workdir / "evaluate" / "evaluation_results.json"),
-            "metrics": str(workdir / "eagle3" / "metrics.jsonl"),
-        },
-        "timings_s": timings,
-        "device": device,
     }
-    (workdir / "demo.json").write_text(json.dumps(results, indent=2, default=str))
-    return results
 
 
 def evaluate_recipe(
