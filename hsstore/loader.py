@@ -39,9 +39,9 @@ import numpy as np
 from hsstore.batches import BatchBufferPool, BatchPosition, HostBatch, LoaderState
 from hsstore.catalog import OPEN_AHEAD_THREADS, build_catalog
 from hsstore.errors import ShardCorruptError
-from hsstore.format import codecs
 from hsstore.format.features import FeatureSpec
 from hsstore.format.layout import TABLE_FEATURES
+from hsstore.host_decode import HostDecoder
 from hsstore.packing import (
     EpochPlan,
     LoaderError,
@@ -134,7 +134,7 @@ class StreamingLoader:
             name: spec.model_copy(update={"codec": "bf16"}) if name in self._decoded_here else spec
             for name, spec in self._stored_specs.items()
         }
-        self._scratch = threading.local()
+        self._host_decoder = HostDecoder(self.store, self._decoded_here)
         # Batch buffers, recycled when a batch is released (HostBatch.release); enough free sets for
         # the batches in flight and one being consumed.
         arrays = [array for spec in self._specs.values() for array in spec.stored_arrays()]
@@ -314,28 +314,10 @@ class StreamingLoader:
 
     def _read_into(self, sample: int, length: int, out: dict[str, np.ndarray]) -> None:
         shard_id, offset = self._catalog.locate(sample)
-        if not self._decoded_here:
+        if self._decoded_here:
+            self._host_decoder.read(shard_id, offset, length, self.features, out, self.layers)
+        else:
             self.store.read_token_range(shard_id, offset, offset + length, self.features, out=out, layers=self.layers)
-            return
-        # decode_on_host: fp8 bits and scales land in this thread's scratch, then decode into the
-        # batch's bf16 slots. Every reader decodes its own samples, so decoding spreads over the
-        # read threads and overlaps the reads of the others.
-        import torch
-
-        targets = {key: value for key, value in out.items() if key not in self._decoded_here}
-        scratch = self._scratch.__dict__
-        for spec in self._decoded_here.values():
-            for key, per_token, dtype in spec.stored_arrays():
-                size = length * int(np.prod(per_token, dtype=np.int64))
-                buffer = scratch.get(key)
-                if buffer is None or buffer.size < size:
-                    buffer = scratch[key] = np.empty(max(size, 2 * (0 if buffer is None else buffer.size)), dtype=dtype)
-                targets[key] = buffer[:size].reshape(length, *per_token)
-        self.store.read_token_range(shard_id, offset, offset + length, self.features, out=targets, layers=self.layers)
-        for name, spec in self._decoded_here.items():
-            bf16 = torch.from_numpy(out[name].view(np.int16)).view(torch.bfloat16)
-            raw = {key: targets[key] for key in spec.array_names()}
-            codecs.decode_torch(spec, raw, out=bf16, threads=1)
 
     def _finish_group(self, batches: list[_PlannedBatch], reads: list[_Read]) -> list[HostBatch]:
         """Wait for the group's reads and complete its batches (token columns, document layout)."""
