@@ -16,12 +16,12 @@ HIDDEN = 16
 NUM_AUX = 3
 
 
-def make_specs(codec: str = "bf16", compression: Compression = "none") -> list[FeatureSpec]:
+def make_specs(codec: str = "bf16", compression: Compression = "none", hidden: int = HIDDEN) -> list[FeatureSpec]:
     """Two features with tiny chunks, so that a few hundred tokens span several inner chunks and
     Zarr shard files."""
     return [
-        FeatureSpec(name="aux_hidden_states", shape=(NUM_AUX, HIDDEN), codec=codec, compression=compression, chunk_bytes=1024, shard_chunks=2),
-        FeatureSpec(name="final_hidden_state", shape=(HIDDEN,), codec=codec, compression=compression, chunk_bytes=1024, shard_chunks=3),
+        FeatureSpec(name="aux_hidden_states", shape=(NUM_AUX, hidden), codec=codec, compression=compression, chunk_bytes=1024, shard_chunks=2),
+        FeatureSpec(name="final_hidden_state", shape=(hidden,), codec=codec, compression=compression, chunk_bytes=1024, shard_chunks=3),
     ]
 
 
@@ -29,7 +29,7 @@ def make_lineage(**overrides: Any) -> Lineage:
     return Lineage(aux_layer_ids=[2, 4, 5], max_length=512, code_version="hsstore.testing", **overrides)
 
 
-def make_sample(index: int, num_tokens: int, seed: int = 0) -> dict[str, Any]:
+def make_sample(index: int, num_tokens: int, hidden: int = HIDDEN, seed: int = 0) -> dict[str, Any]:
     """The keyword arguments of ``ShardWriter.add_sample`` for one random sample."""
     rng = np.random.default_rng(seed * 100_003 + index)
     return {
@@ -38,8 +38,8 @@ def make_sample(index: int, num_tokens: int, seed: int = 0) -> dict[str, Any]:
         "input_ids": rng.integers(0, 1000, num_tokens).astype(np.int32),
         "loss_mask": (rng.random(num_tokens) < 0.7).astype(np.uint8),
         "features": {
-            "aux_hidden_states": rng.standard_normal((num_tokens, NUM_AUX, HIDDEN)).astype(np.float32),
-            "final_hidden_state": rng.standard_normal((num_tokens, HIDDEN)).astype(np.float32),
+            "aux_hidden_states": rng.standard_normal((num_tokens, NUM_AUX, hidden)).astype(np.float32),
+            "final_hidden_state": rng.standard_normal((num_tokens, hidden)).astype(np.float32),
         },
     }
 
