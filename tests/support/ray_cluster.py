@@ -110,8 +110,10 @@ class LocalRayCluster:
     def workers(self) -> list[RayNode]:
         return [n for n in self.nodes if n.name != "head"]
 
-    def _ray(self) -> str:
-        return str(Path(sys.executable).with_name("ray"))
+    def _ray(self) -> list[str]:
+        # Ray's CLI through this interpreter: a venv with system site-packages has no `ray` script
+        # beside its python, and PATH may name another Ray.
+        return [sys.executable, "-m", "ray.scripts.scripts"]
 
     def _node_args(self, num_cpus: float, resources: dict[str, float]) -> list[str]:
         # Every port a node listens on, chosen here: the defaults (e.g. the agent's fixed 52365)
@@ -137,7 +139,7 @@ class LocalRayCluster:
 
     def start_head(self) -> RayNode:
         args = [
-            self._ray(), "start", "--head", f"--port={self.gcs_port}", "--include-dashboard=false",
+            *self._ray(), "start", "--head", f"--port={self.gcs_port}", "--include-dashboard=false",
             f"--temp-dir={self.temp_dir}",
             *self._node_args(HEAD_NUM_CPUS, {}),
         ]  # fmt: skip
@@ -155,7 +157,7 @@ class LocalRayCluster:
         added = []
         for _ in range(count):
             args = [
-                self._ray(),
+                *self._ray(),
                 "start",
                 f"--address={self.address}",
                 *self._node_args(num_cpus, resources or {}),
