@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import REPO_ROOT
+from benchmarks.evaluate.acceptance import acceptance_lengths
 
 REFERENCE_TARGET = REPO_ROOT / "examples" / "reference-target"
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
@@ -159,37 +160,10 @@ def export_eagle3(run_dir: Path, out: Path) -> Path:
 
 
 def decode(draft: Path, prompts: Path, target: Path, device: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    from pipelines.evaluate.recipe import EvaluateRecipe
-    from pipelines.evaluate.runner import run_evaluation
-    from pipelines.recipe import build_recipe
-
-    recipe = build_recipe(
-        EvaluateRecipe,
-        {
-            "target": str(target),
-            "draft": str(draft),
-            "prompts": str(prompts),
-            "output_dir": str(out),
-            "limit": args.prompts,
-            "max_new_tokens": args.max_new_tokens,
-            "settings": [
-                {"name": "chain5_t0", "num_draft_tokens": 5},
-                {"name": "tree_t0", "draft_top_k": 8, "draft_depth": 5, "total_draft_tokens": 31},
-                {"name": "tree_t1", "draft_top_k": 8, "draft_depth": 5, "total_draft_tokens": 31, "temperature": 1.0},
-            ],
-            "dtype": "float32",
-            "device": device,
-            "baseline": False,
-            "seed": 0,
-        },
+    return acceptance_lengths(
+        draft, target=target, prompts=prompts, out=out, limit=args.prompts, max_new_tokens=args.max_new_tokens,
+        device=device,
     )
-    results = run_evaluation(recipe)
-    al = {s["name"]: s["acceptance_length"] for s in results["settings"]}
-    return {
-        "al_chain5_t0": al["chain5_t0"],
-        "al_tree_t0": al["tree_t0"],
-        "al_tree_t1": al["tree_t1"],
-    }
 
 
 # -- aggregation -------------------------------------------------------------------------------

@@ -27,42 +27,16 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import REPO_ROOT
+from benchmarks.evaluate.acceptance import SETTINGS, acceptance_lengths
 
 RUNGS = ("raw", "greedy", "t1")
-SETTINGS = [
-    {"name": "chain5_t0", "num_draft_tokens": 5},
-    {"name": "tree_t0", "draft_top_k": 8, "draft_depth": 5, "total_draft_tokens": 31},
-    {"name": "tree_t1", "draft_top_k": 8, "draft_depth": 5, "total_draft_tokens": 31, "temperature": 1.0},
-]
-
-
 def evaluate(draft: Path, args: argparse.Namespace, out: Path, settings: list[dict[str, Any]]) -> dict[str, Any]:
-    from pipelines.evaluate.recipe import EvaluateRecipe
-    from pipelines.evaluate.runner import run_evaluation
-    from pipelines.recipe import build_recipe
-
-    recipe = build_recipe(
-        EvaluateRecipe,
-        {
-            "target": str(args.target),
-            "draft": str(draft),
-            "prompts": str(args.prompts),
-            "output_dir": str(out),
-            "limit": args.limit,
-            "max_new_tokens": args.max_new_tokens,
-            "settings": settings,
-            "dtype": "float32",
-            "device": args.device,
-            "baseline": False,
-            "seed": 0,
-        },
-    )
     start = time.perf_counter()
-    results = run_evaluation(recipe)
-    acceptance = {s["name"]: s["acceptance_length"] for s in results["settings"]}
-    return {f"al_{name}": value for name, value in acceptance.items()} | {
-        "decode_seconds": round(time.perf_counter() - start, 1)
-    }
+    acceptance = acceptance_lengths(
+        draft, target=args.target, prompts=args.prompts, out=out, limit=args.limit,
+        max_new_tokens=args.max_new_tokens, device=args.device, settings=settings,
+    )
+    return acceptance | {"decode_seconds": round(time.perf_counter() - start, 1)}
 
 
 def training_facts(draft: Path) -> dict[str, Any]:
