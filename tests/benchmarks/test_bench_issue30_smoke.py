@@ -19,11 +19,16 @@ def test_bench_eagle31_trains_both_drafts_and_writes_their_acceptance(reference_
         "draft.intermediate_size=128", "draft.vocab.draft_vocab_size=256", "loader.token_budget=256",
         "loader.long_samples=truncate", "ttt_length=3", "schedule.warmup_steps=0",
     ]
-    argv = ["--store", reference_store, "--steps", "2", "--limit", "1", "--max-new-tokens", "4",
-            "--device", "cpu", "--workdir", str(tmp_path / "runs"), "--out", str(out)]
+    argv = ["--store", reference_store, "--heldout-store", reference_store, "--steps", "2", "--limit", "1",
+            "--max-new-tokens", "4", "--device", "cpu", "--workdir", str(tmp_path / "runs"), "--out", str(out)]
     for override in small:
         argv += ["--set", override]
-    assert bench_train.main(["eagle31", *argv]) == 0
+    # As on a GPU: train (and score the held-out store) in one call, decode in another.
+    assert bench_train.main(["eagle31", "--stage", "train", *argv]) == 0
+    trained = json.loads(out.read_text())
+    assert "eagle3_al_tree_t0" not in trained
+    assert len(trained["details"]["eagle31"]["heldout_acc"]) == 7  # the proxy unrolls 7 depths (HELDOUT: as bench_vs_specforge)
+    assert bench_train.main(["eagle31", "--stage", "evaluate", *argv]) == 0
     results = json.loads(out.read_text())
     assert results["steps"] == 2
     assert results["eagle3_al_tree_t0"] >= 1.0 and results["eagle31_al_tree_t0"] >= 1.0
