@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from pipelines.recipe import RecipeModel
 from pipelines.train.teacher_mode import TeacherChoice
@@ -198,8 +198,23 @@ class TrainRecipe(RecipeModel):
         description="TTT attention: fused block-sparse flex_attention (auto on CUDA), per-document dense "
         "attention (auto elsewhere) or the eager dense-mask reference; all give the same result",
     )
-    compile: Literal["auto", "on", "off"] = Field(
-        default="auto", description="torch.compile the draft's norms/MLP and the loss kernel (auto: on CUDA only)"
+    compile: Literal["auto", "off", "on", "layers", "step", "graph"] = Field(
+        default="auto",
+        description=(
+            "how much of the step torch.compile sees (pipelines.train.compile_modes): layers = the "
+            "draft's norms/MLP, flex attention and the loss kernel alone (on: the same); step = the "
+            "whole objective forward as one graph, every position scored densely; graph = step "
+            "replayed as CUDA graphs (CUDA, one process, no accumulation); auto = layers on CUDA, "
+            "off elsewhere"
+        ),
+    )
+    fp8: bool = Field(
+        default=False,
+        description=(
+            "the draft's fc, q/k/v/o and MLP matmuls in FP8 (e4m3 forward, e5m2 gradients, per-tensor "
+            "dynamic scales; lm_head, norms and attention unchanged). Needs FP8 matmuls on the device "
+            "(CUDA compute capability 8.9+: Ada, Hopper), refused otherwise"
+        ),
     )
     seed: int = Field(default=0, ge=0, description="model init and the loader's order")
     checkpoint_every: int | None = Field(default=None, gt=0, description="steps between checkpoints")
@@ -227,6 +242,14 @@ class TrainRecipe(RecipeModel):
         default=None, description="refuse a store whose aux layers differ (lineage check)"
     )
 
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare on/off as a boolean: `compile: off` must still mean "off".
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> TrainRecipe:
         window = self.draft.sliding_window
@@ -242,6 +265,21 @@ class TrainRecipe(RecipeModel):
             )
         if self.stage == "candidate_head" and self.init_from is not None:
             raise ValueError("init_from does not apply to stage candidate_head (use candidate_head.draft_checkpoint)")
+        if self.stage == "candidate_head" and (self.fp8 or self.compile in ("step", "graph")):
+            raise ValueError(
+                "fp8 and compile: step/graph apply to stage draft; stage candidate_head trains a "
+                "low-rank head on a frozen draft and runs eager (set fp8: false, compile: auto)"
+            )
+        if self.compile in ("step", "graph") and self.attention == "segmented":
+            raise ValueError(
+                f"compile: {self.compile} traces the attention; attention: segmented reads document "
+                "bounds on the host and cannot be traced (use auto, flex or eager)"
+            )
+        if self.compile == "graph" and self.grad_accum_steps > 1:
+            raise ValueError(
+                f"compile: graph does not accumulate gradients (grad_accum_steps={self.grad_accum_steps}): "
+                "a CUDA graph's next replay overwrites the gradients it produced; use compile: step"
+            )
         if self.loader.token_budget <= self.ttt_length:
             raise ValueError(
                 f"loader.token_budget={self.loader.token_budget} must exceed ttt_length={self.ttt_length}"

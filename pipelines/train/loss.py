@@ -42,27 +42,32 @@ def compute_dtype_for(x: torch.Tensor) -> torch.dtype:
 
 
 def _soft_ce_from_probs(
-    logits: torch.Tensor, target: torch.Tensor
+    logits: torch.Tensor, target: torch.Tensor, keep: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One chunk: ``(ce_sum, correct, d ce / d logits)``; ``target`` holds probabilities whose
-    rows sum to 1 (or 0 for a row the teacher leaves out)."""
+    rows sum to 1 (or 0 for a row the teacher leaves out). ``keep`` (bool ``[N]``): only these
+    rows count; the others add nothing to the loss, its gradient or ``correct`` (the dense
+    scoring of ``ttt_forward(..., dense=True)``, where every position is a row)."""
     loss_dtype = torch.promote_types(logits.dtype, torch.float32)
     logits32, target = logits.to(loss_dtype), target.to(loss_dtype)
+    if keep is not None:
+        target = target * keep[:, None].to(loss_dtype)
     log_z = torch.logsumexp(logits32, dim=-1, keepdim=True)
     # -sum_v t_v (l_v - log Z) = sum(t) log Z - t . l
     t_sum = target.sum(-1, keepdim=True)
     ce_sum = (t_sum * log_z).sum() - (target * logits32).sum()
-    correct = (logits32.argmax(-1) == target.argmax(-1)).sum()
+    matches = logits32.argmax(-1) == target.argmax(-1)
+    correct = (matches if keep is None else matches & keep).sum()
     grad = (torch.exp(logits32 - log_z) * t_sum - target).to(logits.dtype)
     return ce_sum, correct, grad
 
 
 def _soft_ce_from_logits(
-    logits: torch.Tensor, teacher_logits: torch.Tensor
+    logits: torch.Tensor, teacher_logits: torch.Tensor, keep: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One chunk against a teacher given as logits (its softmax is the distribution)."""
     loss_dtype = torch.promote_types(logits.dtype, torch.float32)
-    return _soft_ce_from_probs(logits, torch.softmax(teacher_logits.to(loss_dtype), dim=-1))
+    return _soft_ce_from_probs(logits, torch.softmax(teacher_logits.to(loss_dtype), dim=-1), keep)
 
 
 _FUSED: dict[str, Any] = {}
@@ -95,6 +100,7 @@ class _LinearSoftCrossEntropy(torch.autograd.Function):
         compute_dtype: torch.dtype,
         chunk: int,
         compiled: bool | None,
+        keep_N: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         loss_dtype = torch.promote_types(compute_dtype, torch.float32)
         w = weight_VH.detach().to(compute_dtype)
@@ -107,11 +113,12 @@ class _LinearSoftCrossEntropy(torch.autograd.Function):
         grad_logits = torch.empty((N, V), dtype=compute_dtype, device=x.device)
         for start in range(0, N, chunk):
             rows = teacher_rows_N[start : start + chunk]
+            keep = None if keep_N is None else keep_N[start : start + chunk]
             logits = x[start : start + chunk] @ w.T
             if teacher_logits is not None:
-                chunk_out = kernel(logits, teacher_logits(rows, compute_dtype))
+                chunk_out = kernel(logits, teacher_logits(rows, compute_dtype), keep)
             else:
-                chunk_out = kernel(logits, teacher.probs(rows, loss_dtype))
+                chunk_out = kernel(logits, teacher.probs(rows, loss_dtype), keep)
             ce_sum += chunk_out[0]
             correct += chunk_out[1]
             grad_logits[start : start + chunk] = chunk_out[2]
@@ -130,7 +137,7 @@ class _LinearSoftCrossEntropy(torch.autograd.Function):
         x_dtype, w_dtype = ctx.dtypes
         gx = (grad_x * grad_ce.to(grad_x.dtype)).to(x_dtype) if ctx.needs_input_grad[0] else None
         gw = (grad_w * grad_ce.to(grad_w.dtype)).to(w_dtype) if ctx.needs_input_grad[1] else None
-        return gx, gw, None, None, None, None, None
+        return gx, gw, None, None, None, None, None, None
 
 
 def linear_soft_cross_entropy(
@@ -140,16 +147,19 @@ def linear_soft_cross_entropy(
     teacher_rows_N: torch.Tensor,
     chunk: int | None = None,
     compiled: bool | None = None,
+    keep_N: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ce_sum, correct)``: the summed soft cross-entropy of ``x @ weight^T`` against the teacher
     rows, and how many positions' argmax equals the teacher's (int64, no gradient).
 
     Differentiable in ``x`` and ``weight``; matmuls run in autocast's dtype when autocast is on
     (else ``x``'s), softmax and the sums in at least float32. ``compiled``: fuse each chunk's
-    elementwise work with ``torch.compile`` (None: on CUDA unless ``HSSTORE_COMPILE=0``)."""
+    elementwise work with ``torch.compile`` (None: on CUDA unless ``HSSTORE_COMPILE=0``).
+    ``keep_N`` (bool ``[N]``): score only these rows (None: all); the others cost their matmuls
+    but add nothing, which keeps every shape static when ``x`` holds every position."""
     compute_dtype = compute_dtype_for(x_NH)
     if chunk is None:
         chunk = max(64, DEFAULT_CHUNK_ELEMENTS // max(1, weight_VH.shape[0]))
     return _LinearSoftCrossEntropy.apply(
-        x_NH, weight_VH, teacher, teacher_rows_N, compute_dtype, chunk, compiled
+        x_NH, weight_VH, teacher, teacher_rows_N, compute_dtype, chunk, compiled, keep_N
     )

@@ -27,6 +27,13 @@ from torch import nn
 from hsstore.aux_layers import AUX_HIDDEN_STATES
 from pipelines.models.eagle3 import Eagle3Draft
 from pipelines.train.candidate import candidate_step_loss
+from pipelines.train.compile_modes import (
+    CompileMode,
+    compile_whole_step,
+    mark_static,
+    resolve_compile_mode,
+)
+from pipelines.train.fp8 import convert_to_fp8
 from pipelines.train.teacher import TeacherHead, teacher_rows
 from pipelines.train.teacher_mode import TeacherMode
 from pipelines.train.ttt import doc_remaining_from_ids, ttt_forward, ttt_step_masks, ttt_unroll
@@ -55,6 +62,14 @@ def compile_draft_pointwise(draft: Eagle3Draft) -> None:
 
 
 class DraftObjective(nn.Module):
+    """Stage 1's step: teacher rows, the TTT unroll and its per-depth loss sums.
+
+    ``compile`` (:class:`~pipelines.train.compile_modes.CompileMode`; ``True`` = ``layers``) says
+    how much of this is compiled; ``step`` and ``graph`` compile all of :meth:`forward` as one
+    graph with ``compile_backend`` (tests trace with ``aot_eager``). ``fp8``: the draft's linear
+    layers (not lm_head) run their matmuls in FP8 (``pipelines.train.fp8``), converted here,
+    before anything is compiled. The draft must already be on its training device."""
+
     def __init__(
         self,
         draft: Eagle3Draft,
@@ -63,18 +78,54 @@ class DraftObjective(nn.Module):
         ttt_length: int,
         attention: str = "auto",
         loss_chunk: int | None = None,
-        compile: bool = False,
+        compile: CompileMode | str | bool = False,
+        fp8: bool = False,
+        compile_backend: str = "inductor",
     ) -> None:
         super().__init__()
         self.draft = draft
         self.teacher_mode = teacher_mode
         self.teacher_head = teacher_head
         self.ttt_length = ttt_length
-        self.attention = attention
         self.loss_chunk = loss_chunk
-        self.compile = compile  # the norms and MLP here, the loss's chunk kernel in the loss
-        if compile:
+        device = draft.fc.weight.device
+        self.compile_mode = mode = resolve_compile_mode(compile, device)
+        if mode.whole_step and attention == "segmented":
+            raise ValueError("attention: segmented reads each row's document bounds on the host, which a "
+                             f"compiled step (compile: {mode}) cannot; use flex (CUDA) or eager")
+        if mode.whole_step and attention == "auto":
+            attention = "flex" if device.type == "cuda" else "eager"
+        self.attention = attention
+        if fp8:
+            convert_to_fp8(draft, device)
+        if mode == CompileMode.LAYERS:
             compile_draft_pointwise(draft)
+        self._sums = self._per_depth_sums
+        if mode.whole_step:
+            if teacher_head is not None and mode == CompileMode.GRAPH:
+                mark_static(teacher_head.draft_rows_VH, teacher_head.outside_rows_VH)
+            self._sums = compile_whole_step(self._per_depth_sums, mode, compile_backend)
+
+    def _per_depth_sums(
+        self,
+        features: Mapping[str, torch.Tensor],
+        input_ids_BT: torch.Tensor,
+        position_ids_BT: torch.Tensor,
+        loss_mask_BT: torch.Tensor,
+        doc_ids_BT: torch.Tensor,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        mode = self.compile_mode
+        with torch.no_grad():
+            teacher, valid = teacher_rows(
+                self.teacher_mode, features, d2t=self.draft.d2t, t2d=self.draft.t2d, head=self.teacher_head
+            )
+        out = ttt_forward(
+            self.draft, features[AUX], input_ids_BT, position_ids_BT, loss_mask_BT, teacher, valid,
+            doc_ids_BT, self.ttt_length, attention=self.attention, loss_chunk=self.loss_chunk,
+            # layers: the loss's chunk kernel compiled alone; whole step: traced with the rest.
+            compile_loss=mode == CompileMode.LAYERS, dense=mode.whole_step,
+        )
+        return out.step_loss_sums, out.step_counts, out.step_correct
 
     def forward(
         self,
@@ -84,16 +135,12 @@ class DraftObjective(nn.Module):
         loss_mask_BT: torch.Tensor,
         doc_ids_BT: torch.Tensor,
     ) -> ObjectiveOutput:
-        with torch.no_grad():
-            teacher, valid = teacher_rows(
-                self.teacher_mode, features, d2t=self.draft.d2t, t2d=self.draft.t2d, head=self.teacher_head
-            )
-        out = ttt_forward(
-            self.draft, features[AUX], input_ids_BT, position_ids_BT, loss_mask_BT, teacher, valid,
-            doc_ids_BT, self.ttt_length, attention=self.attention, loss_chunk=self.loss_chunk,
-            compile_loss=self.compile,
-        )
-        return ObjectiveOutput(out.step_loss_sums, out.step_counts, out.step_correct)
+        loss_sums, counts, correct = self._sums(features, input_ids_BT, position_ids_BT, loss_mask_BT, doc_ids_BT)
+        if self.compile_mode == CompileMode.GRAPH:
+            # A CUDA graph's outputs are overwritten by its next replay (reading one afterwards
+            # raises); the caller gets copies it may keep (21 scalars).
+            loss_sums, counts, correct = ([t.clone() for t in ts] for ts in (loss_sums, counts, correct))
+        return ObjectiveOutput(list(loss_sums), list(counts), list(correct))
 
 
 class CandidateObjective(nn.Module):

@@ -33,6 +33,7 @@ from pipelines.models.checkpoint import (
 )
 from pipelines.models.eagle3 import Eagle3Config, Eagle3Draft
 from pipelines.train.candidate import attach_candidate_head
+from pipelines.train.compile_modes import resolve_compile_mode
 from pipelines.train.config import TrainRecipe
 from pipelines.train.metrics import CANDIDATE_HEAD_METRICS, DRAFT_METRICS, StageMetrics
 from pipelines.train.objective import (
@@ -145,7 +146,8 @@ class DraftStage(TrainingStage):
         head = TeacherHead(heads.lm_head_VH, draft.d2t, draft.t2d) if teacher == TeacherMode.FINAL_HIDDEN else None
         recipe = self.recipe
         return DraftObjective(
-            draft, teacher, head, recipe.ttt_length, recipe.attention, compile=use_compile(recipe, device)
+            draft, teacher, head, recipe.ttt_length, recipe.attention,
+            compile=resolve_compile_mode(recipe.compile, device), fp8=recipe.fp8,
         )
 
 
@@ -212,8 +214,3 @@ def training_aux_layer_ids(recipe: TrainRecipe, store: hsstore.Store) -> list[in
     """The aux layer ids this run trains on: the recipe's subset of the store's captured layers."""
     captured = list(store.lineage.aux_layer_ids)
     return [captured[i] for i in select_aux_layers(captured, recipe.aux_layer_ids)]
-
-
-def use_compile(recipe: TrainRecipe, device: torch.device) -> bool:
-    """``compile: auto`` compiles on CUDA only: the CPU CI has no compiler toolchain to rely on."""
-    return recipe.compile == "on" or (recipe.compile == "auto" and device.type == "cuda")

@@ -143,6 +143,7 @@ def ttt_forward(
     attention: str = "auto",
     loss_chunk: int | None = None,
     compile_loss: bool | None = None,
+    dense: bool = False,
 ) -> TTTOutput:
     """The EAGLE-3 TTT loss: ``sum_i decay**i * CE_i`` with CE_i the masked mean cross-entropy
     of the depth-i draft logits against the teacher (see the module docstring for alignment).
@@ -151,6 +152,12 @@ def ttt_forward(
     ``[B, T, V_draft]`` tensor or rows produced on demand (``pipelines.train.teacher``);
     ``doc_ids_BT`` marks packed documents (None: one per row). Logits are computed only at scored
     positions, in chunks, and never kept (``pipelines.train.loss``).
+
+    ``dense``: compute the logits at every position and let the step mask zero the unscored ones,
+    instead of gathering the scored positions first. Same losses and gradients; every shape is
+    then static and no depth waits on the host for its count of scored positions (what a
+    compiled or graph-captured step needs), at the price of the head's matmuls at unscored
+    positions.
     """
     if doc_ids_BT is None:
         doc_ids_BT = torch.zeros_like(input_ids_BT)
@@ -166,15 +173,27 @@ def ttt_forward(
     loss_dtype = torch.promote_types(hidden_per_step[0].dtype, torch.float32)
     total = hidden_per_step[0].new_zeros((), dtype=loss_dtype)
     out = TTTOutput(total, [], [], [], [], [], hidden_per_step, masks)
+    num_positions = input_ids_BT.numel()
     for depth, (hidden, mask) in enumerate(zip(hidden_per_step, masks, strict=True)):
         # Position t is scored against the teacher at t + 1 + depth (same row: the step mask is
         # False wherever t + 1 + depth would leave the row or the document).
-        rows = mask.flatten().nonzero().squeeze(1)
-        normed = draft.head_input(hidden.flatten(0, 1)[rows])
-        ce_sum, correct = linear_soft_cross_entropy(
-            normed, draft.lm_head.weight, teacher, rows + 1 + depth, loss_chunk, compile_loss
-        )
-        count = rows.new_tensor(rows.shape[0])
+        if dense:
+            keep = mask.flatten()
+            positions = torch.arange(num_positions, device=keep.device)
+            # Past the last position the index is clamped: those positions are never kept.
+            teacher_at = (positions + 1 + depth).clamp(max=num_positions - 1)
+            ce_sum, correct = linear_soft_cross_entropy(
+                draft.head_input(hidden.flatten(0, 1)), draft.lm_head.weight, teacher, teacher_at,
+                loss_chunk, compile_loss, keep,
+            )
+            count = keep.sum()
+        else:
+            rows = mask.flatten().nonzero().squeeze(1)
+            normed = draft.head_input(hidden.flatten(0, 1)[rows])
+            ce_sum, correct = linear_soft_cross_entropy(
+                normed, draft.lm_head.weight, teacher, rows + 1 + depth, loss_chunk, compile_loss
+            )
+            count = rows.new_tensor(rows.shape[0])
         step_loss = ce_sum / count.clamp(min=1)
         total = total + decay**depth * step_loss
         out.step_loss_sums.append(ce_sum)

@@ -48,6 +48,23 @@ def test_contradictions_name_the_key() -> None:
         build_recipe(TrainRecipe, {"target": "t", "output_dir": "o"})
 
 
+def test_compile_modes_and_fp8_contradictions_name_the_keys() -> None:
+    recipe = build_recipe(TrainRecipe, BASE, ["compile=graph", "fp8=true"])
+    assert recipe.compile == "graph" and recipe.fp8
+    # YAML reads a bare on/off as a boolean; "on" is what it meant before the modes (layers).
+    assert build_recipe(TrainRecipe, BASE, ["compile=on"]).compile == "on"
+    assert build_recipe(TrainRecipe, BASE, ["compile=off"]).compile == "off"
+    with pytest.raises(RecipeError, match=r"compile: graph does not accumulate gradients \(grad_accum_steps=2\)"):
+        build_recipe(TrainRecipe, BASE, ["compile=graph", "grad_accum_steps=2"])
+    with pytest.raises(RecipeError, match=r"compile: step traces the attention; attention: segmented"):
+        build_recipe(TrainRecipe, BASE, ["compile=step", "attention=segmented"])
+    with pytest.raises(RecipeError, match=r"fp8 and compile: step/graph apply to stage draft"):
+        build_recipe(TrainRecipe, {**BASE, "stage": "candidate_head"},
+                     ["candidate_head.draft_checkpoint=d", "fp8=true"])
+    with pytest.raises(RecipeError, match=r"compile: Input should be 'auto', 'off', 'on', 'layers', 'step' or 'graph'"):
+        build_recipe(TrainRecipe, BASE, ["compile=fast"])
+
+
 def test_warmup_then_cosine() -> None:
     recipe = build_recipe(TrainRecipe, BASE, ["optimizer.lr=1.0", "schedule.warmup_steps=10", "schedule.min_lr_ratio=0.1"])
     lrs = [lr_at(step, 110, recipe) for step in range(110)]

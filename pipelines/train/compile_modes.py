@@ -1,0 +1,102 @@
+"""How much of the training step ``torch.compile`` sees (``TrainRecipe.compile``).
+
+An eager TTT-7 step at the Qwen3-8B shape launches ~3,000 kernels; the GPU idles ~17% of the step
+in the gaps between them (benchmarks/LOG.md, "Where the step's GPU waits"). The modes, from the
+fewest compiled regions to the most:
+
+- ``off``: eager everywhere.
+- ``layers``: the draft's norms and MLP (``nn.Module.compile``, state-dict keys unchanged), flex
+  attention and the loss's per-chunk kernel, each compiled alone; eager code between them. The
+  scored positions are gathered per depth (a host sync each, and only their logits computed).
+- ``step``: the whole objective forward (the teacher's validity and rows, fc, the seven depths
+  with their attention, the loss of every depth) traced as one graph, and its backward as one
+  graph. Positions are scored densely (``ttt_forward(..., dense=True)``): every shape is static
+  and nothing waits on the host, at the price of the head's matmuls at unscored positions.
+- ``graph``: ``step`` replayed as CUDA graphs (``mode="reduce-overhead"``): one launch for the
+  forward and one for the backward. CUDA only, one process, no gradient accumulation: the
+  graphs' outputs live in a pool the next replay overwrites, which accumulated gradients and
+  DDP's buckets would read after that.
+
+Shapes are static because the loader packs rows of exactly ``token_budget`` tokens: a compiled
+step is traced once per ``[rows, token_budget]`` (again only for a short last batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import StrEnum
+from typing import Any
+
+import torch
+
+
+class CompileMode(StrEnum):
+    OFF = "off"
+    LAYERS = "layers"
+    STEP = "step"
+    GRAPH = "graph"
+
+    @property
+    def whole_step(self) -> bool:
+        """The objective forward is one compiled graph (and the loss scores densely)."""
+        return self in (CompileMode.STEP, CompileMode.GRAPH)
+
+
+# What ``compile: auto`` picks on CUDA. ``layers`` is what has been measured (24.9k tokens/s at the
+# 8B shape, every position scored); the GPU run of ``bench_train step-modes`` decides whether
+# ``step`` or ``graph`` replaces it.
+CUDA_DEFAULT = CompileMode.LAYERS
+
+
+def resolve_compile_mode(choice: str | bool, device: torch.device) -> CompileMode:
+    """The recipe's ``compile`` value as a mode: ``auto`` is :data:`CUDA_DEFAULT` on CUDA and
+    ``off`` elsewhere (the CPU CI has no compiler toolchain to rely on); ``on`` (and ``True``) is
+    ``layers``, what ``on`` meant before the other modes existed."""
+    if isinstance(choice, bool):
+        return CompileMode.LAYERS if choice else CompileMode.OFF
+    if choice == "auto":
+        return CUDA_DEFAULT if device.type == "cuda" else CompileMode.OFF
+    if choice == "on":
+        return CompileMode.LAYERS
+    try:
+        return CompileMode(choice)
+    except ValueError:
+        raise ValueError(f"unknown compile mode {choice!r} (auto, on, {', '.join(CompileMode)})") from None
+
+
+def check_compile_mode(mode: CompileMode, device: torch.device, world_size: int, grad_accum_steps: int) -> None:
+    """Refuse a ``graph`` step where CUDA graphs cannot replay it correctly (module docstring)."""
+    if mode != CompileMode.GRAPH:
+        return
+    problems = []
+    if device.type != "cuda":
+        problems.append(f"it needs CUDA (device is {device.type})")
+    if world_size > 1:
+        problems.append(f"it runs on one process only (world size {world_size})")
+    if grad_accum_steps > 1:
+        problems.append(f"it does not accumulate gradients (grad_accum_steps={grad_accum_steps})")
+    if problems:
+        raise ValueError(f"compile: graph is not possible here: {'; '.join(problems)}. Use compile: step, "
+                         "the same compiled step without CUDA-graph replay")
+
+
+def compile_whole_step(fn: Callable[..., Any], mode: CompileMode, backend: str = "inductor") -> Callable[..., Any]:
+    """``fn`` (the objective's forward) compiled as one graph: ``fullgraph`` so that a graph break
+    fails loudly instead of quietly splitting the step back into eager pieces; ``dynamic=False``
+    because the packed rows' shape is fixed. ``backend``: tests trace with ``aot_eager`` (no
+    compiler toolchain needed); CUDA-graph replay is inductor's, so other backends ignore it."""
+    if not mode.whole_step:
+        raise ValueError(f"compile mode {mode} does not compile the whole step")
+    options: dict[str, Any] = {"fullgraph": True, "dynamic": False, "backend": backend}
+    if mode == CompileMode.GRAPH and backend == "inductor":
+        options["mode"] = "reduce-overhead"
+    return torch.compile(fn, **options)
+
+
+def mark_static(*tensors: torch.Tensor | None) -> None:
+    """Tell CUDA-graph replay that these tensors (the frozen teacher head, which is not an
+    ``nn.Module`` buffer) keep their address, so a replay reads them in place instead of
+    copying a gigabyte of weights into its own buffers first."""
+    for tensor in tensors:
+        if tensor is not None and tensor.is_cuda:
+            torch._dynamo.mark_static_address(tensor)
