@@ -452,6 +452,7 @@ MODES = {
     "ab": "benchmarks.train.ab",
     "profile": "benchmarks.train.profile_step",
     "eagle31": "benchmarks.train.eagle31",
+    "step-modes": "benchmarks.train.step_modes",
 }
 
 

@@ -80,6 +80,17 @@ def write_results(path: str | Path | None, results: dict[str, Any], *, indent: i
     path.write_text(json.dumps(results, indent=indent, default=str) + "\n")
 
 
+def update_section(path: str | Path, section: str, values: dict[str, Any]) -> dict[str, Any]:
+    """Merge ``values`` into the ``section`` object of the JSON file at ``path`` (created if
+    absent), keeping every other section and key: a results file that several benchmarks fill,
+    each its own part (``gpu-limit-h200.json``: ``extract`` and ``train``). Returns the file's data."""
+    path = Path(path)
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data.setdefault(section, {}).update(values)
+    write_results(path, data)
+    return data
+
+
 def run_modes(argv: Sequence[str] | None, default: Callable[[list[str]], int], modes: dict[str, str], *, prog: str) -> int:
     """A script's modes: ``prog MODE [args]`` runs ``main(args)`` of the module ``modes[MODE]``;
     anything else is the script's own (default) run. ``prog modes`` lists them."""

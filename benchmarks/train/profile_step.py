@@ -5,7 +5,7 @@ final states, a random target lm_head (the teacher), the project's draft of the 
 One step = teacher rows + the TTT unroll and loss (``pipelines.train.objective``) + backward +
 clipping + AdamW: what ``hsstore train`` runs per step after the batch is on the device.
 
-    python -m benchmarks.bench_train profile --shape qwen3-8b --tokens 8192 --variants flex+compile flex eager
+    python -m benchmarks.bench_train profile --shape qwen3-8b --tokens 8192 --variants flex+layers flex+graph flex+graph+fp8
     python -m benchmarks.bench_train profile --shape qwen3-8b --profile $OUT/trace   # torch.profiler table
 
 Prints one line per variant (tokens/s, step ms, peak GiB, model TFLOP/s and MFU against the
@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ import torch
 
 from benchmarks.common import write_results
 from pipelines.models.eagle3 import Eagle3Config, Eagle3Draft
+from pipelines.train.compile_modes import CompileMode, resolve_compile_mode
 from pipelines.train.objective import DraftObjective
 from pipelines.train.teacher import TeacherHead
 
@@ -88,8 +91,41 @@ def measure_matmul_tflops(device: torch.device) -> float:
     return 2 * 8192**3 * 10 / (time.perf_counter() - t0) / 1e12
 
 
-def run_variant(args: argparse.Namespace, attention: str, compiled: bool, device: torch.device, peak_tflops: float,
+@dataclass(frozen=True)
+class StepVariant:
+    """One way to run the step: ``ATTENTION[+MODE][+fp8]`` on the command line, e.g. ``flex+graph+fp8``.
+    MODE is a :class:`~pipelines.train.compile_modes.CompileMode` (``compile`` = ``layers``, the
+    spelling before the modes); none = ``off``."""
+
+    attention: str
+    compile: CompileMode = CompileMode.OFF
+    fp8: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> StepVariant:
+        attention, *flags = text.split("+")
+        mode, fp8 = CompileMode.OFF, False
+        for flag in flags:
+            if flag == "fp8":
+                fp8 = True
+            else:  # "compile" is how variants were spelt before the modes: layers
+                mode = resolve_compile_mode("layers" if flag == "compile" else flag, torch.device("cuda"))
+        return cls(attention, mode, fp8)
+
+    def __str__(self) -> str:
+        return "+".join([self.attention, str(self.compile)] + (["fp8"] if self.fp8 else []))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_variant(args: argparse.Namespace, variant: StepVariant, device: torch.device, peak_tflops: float | None,
                 profile_dir: Path | None) -> dict[str, Any]:
+    """Time ``args.steps`` steps after ``args.warmup`` (the first of which compiles) on ``device``;
+    ``peak_tflops`` (the measured bf16 matmul rate, CUDA) turns model FLOP/s into an MFU."""
+    torch._dynamo.reset()  # each variant compiles afresh (and never hits the recompile limit)
     cfg = Eagle3Config(**SHAPES[args.shape], draft_vocab_size=args.draft_vocab, aux_layer_ids=[2, 18, 33])
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg).to(device)
@@ -98,47 +134,64 @@ def run_variant(args: argparse.Namespace, attention: str, compiled: bool, device
     # random head would at ~V_draft/V of them and make the lm_head look cheap. Larger draft rows
     # make nearly every position scored, as in the plain-torch yardstick.
     lm_head[: cfg.draft_vocab_size] *= 3.0
-    lm_head = lm_head.to(torch.bfloat16)
+    cuda = device.type == "cuda"
+    lm_head = lm_head.to(torch.bfloat16 if cuda else torch.float32)
     head = TeacherHead(lm_head, draft.d2t, draft.t2d)
-    objective = DraftObjective(draft, "final_hidden", head, ttt_length=args.ttt_length, attention=attention,
-                               compile=compiled)
+    objective = DraftObjective(draft, "final_hidden", head, ttt_length=args.ttt_length, attention=variant.attention,
+                               compile=variant.compile, fp8=variant.fp8)
     params = [p for p in draft.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=cuda)
     batch = synthetic_batch(args.rows, args.tokens, cfg, device)
     features = {"aux_hidden_states": batch["aux"], "final_hidden_state": batch["final"]}
+    if not cuda:
+        features = {k: v.float() for k, v in features.items()}
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()
 
-    def step() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+    def step() -> torch.Tensor:
+        with autocast:
             out = objective(features, batch["input_ids"], batch["position_ids"], batch["loss_mask"], batch["doc_ids"])
         loss = sum(0.8**i * s / c.clamp(min=1) for i, (s, c) in enumerate(zip(out.loss_sums, out.counts, strict=True)))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
 
+    losses, warmup_s = [], []
     for _ in range(args.warmup):
-        step()
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        losses.append(float(step()))
+        warmup_s.append(time.perf_counter() - t0)
+    _sync(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize(device)
+        loss = step()
+        _sync(device)
         times.append(time.perf_counter() - t0)
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        losses.append(float(loss))  # after the clock: the step is timed without this sync
+    with torch.no_grad(), autocast:
         scored = objective(features, batch["input_ids"], batch["position_ids"], batch["loss_mask"], batch["doc_ids"]).counts
     scored_fraction = float(torch.stack(scored).double().mean()) / (args.rows * args.tokens)
     step_s = sorted(times)[len(times) // 2]
     tokens = args.rows * args.tokens
     flops = step_flops_per_token(cfg, args.ttt_length, scored_fraction) * tokens
     result = {
-        "attention": attention, "compile": compiled, "tokens_per_step": tokens,
-        "step_ms_median": round(1000 * step_s, 1), "tokens_per_s": round(tokens / step_s),
-        "model_tflops": round(flops / step_s / 1e12, 1), "mfu_vs_measured_matmul": round(flops / step_s / 1e12 / peak_tflops, 3),
-        "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 1),
+        "variant": str(variant), "attention": variant.attention, "compile": str(variant.compile), "fp8": variant.fp8,
+        "tokens_per_step": tokens, "step_ms_median": round(1000 * step_s, 1), "tokens_per_s": round(tokens / step_s),
+        # The first warm-up step traces and compiles (graph: the next ones record the CUDA graphs).
+        "compile_s": round(warmup_s[0], 1) if warmup_s else None,
+        "model_tflops": round(flops / step_s / 1e12, 1),
         "scored_fraction": round(scored_fraction, 3),
+        # The same batch every step from the same initial draft: the variants' losses should agree.
+        "loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4),
     }
+    if peak_tflops:
+        result["mfu_vs_measured_matmul"] = round(flops / step_s / 1e12 / peak_tflops, 3)
+    if cuda:
+        result["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 1)
     if profile_dir is not None:
         from torch.profiler import ProfilerActivity, profile
 
@@ -148,13 +201,13 @@ def run_variant(args: argparse.Namespace, attention: str, compiled: bool, device
             torch.cuda.synchronize(device)
         profile_dir.mkdir(parents=True, exist_ok=True)
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
-        (profile_dir / f"profile-{attention}.txt").write_text(table)
+        (profile_dir / f"profile-{variant}.txt").write_text(table)
         print(table[:6000])
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
                 step()
             torch.cuda.synchronize(device)
-        trace = profile_dir / f"trace-{attention}.json"
+        trace = profile_dir / f"trace-{variant}.json"
         prof.export_chrome_trace(str(trace))
         result["gpu_idle"] = gpu_idle(json.loads(trace.read_text())["traceEvents"], steps=3)
         trace.unlink()  # hundreds of MB; the summary is what is kept
@@ -198,8 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--draft-vocab", type=int, default=32000)
     parser.add_argument("--ttt-length", type=int, default=7)
-    parser.add_argument("--variants", nargs="+", default=["flex+compile"],
-                        help="attention (flex, eager) with +compile (norms, MLP and the loss kernel compiled)")
+    parser.add_argument("--variants", nargs="+", default=["flex+layers"],
+                        help="ATTENTION[+MODE][+fp8]: attention flex or eager; MODE off, layers (or compile: the "
+                             "norms, MLP, flex and the loss kernel), step or graph (pipelines.train.compile_modes)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--profile", default=None, help="write torch.profiler tables here")
@@ -210,10 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
                                "bf16_matmul_tflops_measured": round(peak, 1), "args": vars(args), "variants": []}
     for i, variant in enumerate(args.variants):
-        attention, _, compiled = variant.partition("+")
         profile_dir = Path(args.profile) if args.profile and i == 0 else None
         try:
-            row = run_variant(args, attention, compiled == "compile", device, peak, profile_dir)
+            row = run_variant(args, StepVariant.parse(variant), device, peak, profile_dir)
         except torch.OutOfMemoryError:
             row = {"variant": variant, "error": "OOM"}
             torch.cuda.empty_cache()

@@ -1,6 +1,6 @@
 """``python -m benchmarks.bench_train`` at a tiny size on the CPU (store vs online throughput and the
-bf16-vs-fp8 quality run both come out), and the ``profile`` mode's GPU-idle summary on a hand-made
-trace (the profile itself needs CUDA)."""
+bf16-vs-fp8 quality run both come out), the ``step-modes`` mode likewise, and the ``profile``
+mode's GPU-idle summary on a hand-made trace (the profile itself needs CUDA)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,52 @@ def test_tiny_cpu_run_times_both_feeds_and_trains_both_codecs(tmp_path: Path, mo
         assert results["throughput"]["reference"][mode]["tokens_per_s"] > 0
     assert set(results["quality"]) == {"bf16", "fp8_e4m3"}
 
+
+@pytest.mark.slow
+def test_step_modes_quick_fills_the_train_section_and_keeps_the_others(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``step-modes --quick``: both step variants timed (float32 and FP8, eager, the reference
+    shape), the FP8-vs-bf16 held-out run, all merged into the results file's ``train`` section."""
+    from benchmarks import bench_train
+
+    monkeypatch.setattr(bench_train, "TRAIN_DATA", TRAIN_DATA)
+    out = tmp_path / "gpu-limit.json"
+    out.write_text(json.dumps({"extract": {"compiled_tokens_per_s": 1.0}, "train": {"note": "kept"}}))
+    assert bench_train.main(["step-modes", "--quick", "--out", str(out), "--workdir", str(tmp_path / "work")]) == 0
+    results = json.loads(out.read_text())
+    assert results["extract"] == {"compiled_tokens_per_s": 1.0}
+    train = results["train"]
+    assert train["note"] == "kept"
+    assert train["all_scored_bf16_tokens_per_s"] > 0 and train["all_scored_fp8_tokens_per_s"] > 0
+    assert set(train["step_variants"]) == {"eager+off", "eager+off+fp8"}
+    runs = train["heldout_quality"]["runs"]
+    assert set(runs) == {"bf16", "fp8"} and all(len(run["held_out_acc"]) == 7 for run in runs.values())
+    assert isinstance(train["fp8_heldout_acc_rel_delta"], float)
+
+
+def test_step_modes_summary_picks_the_fastest_of_each_precision() -> None:
+    from benchmarks.train.step_modes import summarize
+
+    rows = {
+        "flex+layers": {"variant": "flex+layers", "compile": "layers", "fp8": False, "tokens_per_s": 25_000},
+        "flex+graph": {"variant": "flex+graph", "compile": "graph", "fp8": False, "tokens_per_s": 31_000},
+        "flex+graph+fp8": {"variant": "flex+graph+fp8", "error": "RuntimeError: ..."},
+        "flex+layers+fp8": {"variant": "flex+layers+fp8", "compile": "layers", "fp8": True, "tokens_per_s": 27_900},
+        "flex+step": {"variant": "flex+step", "skipped": "deadline"},
+    }
+    summary = summarize(rows)
+    assert summary["all_scored_bf16_tokens_per_s"] == 31_000 and summary["all_scored_bf16_variant"] == "flex+graph"
+    assert summary["all_scored_fp8_tokens_per_s"] == 27_900 and summary["fp8_speedup"] == 0.9
+    assert summary["layers_bf16_tokens_per_s"] == 25_000 and summary["step_variants"] is rows
+
+
+def test_step_variants_parse_from_the_command_line() -> None:
+    from benchmarks.train.profile_step import StepVariant
+    from pipelines.train.compile_modes import CompileMode
+
+    assert StepVariant.parse("flex+graph+fp8") == StepVariant("flex", CompileMode.GRAPH, True)
+    assert StepVariant.parse("flex+compile") == StepVariant("flex", CompileMode.LAYERS, False)  # the old spelling
+    assert StepVariant.parse("eager") == StepVariant("eager", CompileMode.OFF, False)
+    assert str(StepVariant.parse("flex+step")) == "flex+step"
 
 
 def test_idle_is_the_span_outside_the_union_of_kernel_intervals() -> None:
