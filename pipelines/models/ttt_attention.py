@@ -212,11 +212,13 @@ _COMPILED_FLEX: Any = None
 
 
 def _flex_attention(compiled: bool) -> Any:
-    """torch's flex_attention, compiled once per process (eager flex is a slow reference path)."""
+    """torch's flex_attention, compiled once per process (eager flex is a slow reference path).
+    Inside a compiled region (the trainer's ``compile: step``) the plain function: the enclosing
+    compilation lowers it to the same fused kernel, with no nested compiled call to trace."""
     global _COMPILED_FLEX
     from torch.nn.attention.flex_attention import flex_attention
 
-    if not compiled:
+    if not compiled or torch.compiler.is_compiling():
         return flex_attention
     if _COMPILED_FLEX is None:
         _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)

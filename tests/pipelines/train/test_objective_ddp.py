@@ -8,6 +8,7 @@ import os
 import socket
 from pathlib import Path
 
+import pytest
 import torch
 
 from pipelines.train.distributed import Distributed, all_reduce_, wrap_ddp
@@ -35,18 +36,20 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _rank_gradients(rank: int, out_dir: str) -> None:
+def _rank_gradients(rank: int, out_dir: str, compile: str) -> None:
     draft, features, ids, pos, loss_mask, docs = _inputs()
     rows = slice(rank, rank + 1)
     state = Distributed(rank=rank, world_size=2)
-    model = wrap_ddp(DraftObjective(draft, TeacherMode.DRAFT_PROBS, None, ttt_length=3), state)
+    objective = DraftObjective(draft, TeacherMode.DRAFT_PROBS, None, ttt_length=3, compile=compile,
+                               compile_backend="aot_eager")
+    model = wrap_ddp(objective, state)
     out = model({k: v[rows] for k, v in features.items()}, ids[rows], pos[rows], loss_mask[rows], docs[rows])
     counts = all_reduce_(torch.stack(out.counts).to(torch.float64), state)
     objective_loss(out, counts, 0.8, False, world_size=2).backward()
     torch.save(_grads(draft), Path(out_dir) / f"rank{rank}.pt")
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, port: int, out_dir: str, compile: str) -> None:
     import torch.distributed as dist
 
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
@@ -56,13 +59,16 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         # In a function of its own, as the trainer's _run: the DDP wrapper (its reducer holds gloo
         # work) is gone before the group is destroyed. With it alive at destroy_process_group, a
         # rank now and then aborted at exit ("terminate called without an active exception").
-        _rank_gradients(rank, out_dir)
+        _rank_gradients(rank, out_dir, compile)
         dist.barrier()  # neither rank tears the group down while the other still uses it
     finally:
         dist.destroy_process_group()
 
 
-def test_ddp_gradient_equals_one_process_on_the_whole_batch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("compile", ["off", pytest.param("step", marks=pytest.mark.slow)])
+def test_ddp_gradient_equals_one_process_on_the_whole_batch(tmp_path: Path, compile: str) -> None:
+    """``step``: each rank runs the objective traced as one graph (``aot_eager``); its backward
+    hands DDP every gradient at once, and the all-reduced result is still the one process's."""
     import torch.multiprocessing as mp
 
     draft, features, ids, pos, loss_mask, docs = _inputs()
@@ -71,7 +77,7 @@ def test_ddp_gradient_equals_one_process_on_the_whole_batch(tmp_path: Path) -> N
     objective_loss(out, torch.stack(out.counts).double(), 0.8, False).backward()
     want = _grads(draft)
 
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), compile), nprocs=2, join=True)
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert got.keys() == want.keys()

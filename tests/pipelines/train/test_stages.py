@@ -49,6 +49,22 @@ def test_continued_draft_is_init_from_or_the_stage1_checkpoint() -> None:
     assert stage2.continued_aux_layer_ids() is None  # not a directory: nothing to compare
 
 
+def test_the_draft_objective_gets_the_recipe_compile_mode_and_fp8() -> None:
+    from pipelines.train.compile_modes import CompileMode
+    from pipelines.train.fp8 import Float8Linear
+    from tests.support.models import build_draft, tiny_draft_config
+
+    cpu = torch.device("cpu")
+    stage = stage_for(TrainRecipe.model_validate({**BASE, "fp8": True}))
+    draft = build_draft(tiny_draft_config())
+    objective = stage.build_objective(draft, TeacherMode.DRAFT_PROBS, None, cpu)  # type: ignore[arg-type]
+    assert objective.compile_mode == CompileMode.OFF  # auto on the CPU
+    assert isinstance(draft.midlayer.mlp.down_proj, Float8Linear) and not isinstance(draft.lm_head, Float8Linear)
+    stage = stage_for(TrainRecipe.model_validate({**BASE, "compile": "on"}))
+    objective = stage.build_objective(build_draft(tiny_draft_config()), TeacherMode.DRAFT_PROBS, None, cpu)  # type: ignore[arg-type]
+    assert objective.compile_mode == CompileMode.LAYERS and objective.attention == "auto"
+
+
 def _output(loss_sums: list[float]) -> ObjectiveOutput:
     tensors = [torch.tensor(v, dtype=torch.float64) for v in loss_sums]
     return ObjectiveOutput(tensors, [torch.tensor(4.0)] * len(tensors), [torch.tensor(2.0)] * len(tensors))
