@@ -12,9 +12,10 @@ vocabulary, TTT 7, 99.6% of positions scored; teacher + unroll + loss + backward
 fused AdamW. The variants (``ATTENTION+MODE[+fp8]``, :class:`~benchmarks.train.profile_step.StepVariant`)
 run one after another in the order given: by default ``flex+layers`` (today's CUDA default),
 ``flex+graph``, ``flex+graph+fp8``, ``flex+step``, ``flex+layers+fp8``. Each is the median of
-``--steps`` steps after ``--warmup``, the first of which compiles (``compile_s``). A variant that
-could not finish before ``--deadline-s`` is skipped and says so; the results file is rewritten
-after every variant, so a call cut short still returns what it measured.
+``--steps`` steps after ``--warmup``, the first of which compiles (``compile_s``), measured in a
+child process of its own (stopped after ``--variant-budget-s``; a variant that breaks does not
+break the next). A variant with less than ~45 s left before ``--deadline-s`` is skipped and says
+so; the results file is rewritten after every variant, so a call cut short keeps what it measured.
 
 **quality**: the reference target's store (``draft_train.jsonl``, extracted here in bf16) and a
 held-out store from the records after it; the same recipe (seed, samples and their order) trained
@@ -31,7 +32,10 @@ accuracy averaged over depths, FP8 against bf16, relative), and every variant's 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -39,7 +43,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import update_section
+from benchmarks.common import REPO_ROOT, update_section, write_results
 from benchmarks.train.profile_step import StepVariant, measure_matmul_tflops, run_variant
 from pipelines.train.compile_modes import resolve_compile_mode
 
@@ -47,6 +51,8 @@ SECTION = "train"
 GPU_VARIANTS = ["flex+layers", "flex+graph", "flex+graph+fp8", "flex+step", "flex+layers+fp8"]
 # The CPU smoke: flex has no backward on the CPU, and compiling there takes minutes.
 QUICK_VARIANTS = ["eager+off", "eager+off+fp8"]
+# Less time than this left before the deadline: the variant is not started (it could not compile).
+MIN_VARIANT_S = 45.0
 
 
 # -- throughput -----------------------------------------------------------------------------------
@@ -75,32 +81,56 @@ def summarize(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
+def measure_variant(args: argparse.Namespace) -> dict[str, Any]:
+    """One variant in this process (``--part variant``, what :func:`throughput` runs each time)."""
+    device = torch.device(args.device)
+    step_args = argparse.Namespace(shape=args.shape, tokens=args.tokens, rows=args.rows, draft_vocab=args.draft_vocab,
+                                   ttt_length=7, steps=args.steps, warmup=args.warmup)
+    return run_variant(step_args, StepVariant.parse(args.variant), device, args.peak_tflops, None)
+
+
+def _variant_in_child(args: argparse.Namespace, text: str, timeout_s: float, peak: float | None) -> dict[str, Any]:
+    """``text`` measured in a child process: a variant that hangs in compilation is cut at
+    ``timeout_s``, and one that breaks its CUDA context (or its dynamo caches, or fragments the
+    memory) does not take the next variants with it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        row_file = Path(tmp) / "row.json"
+        command = [sys.executable, "-m", "benchmarks.bench_train", "step-modes", "--part", "variant", "--variant", text,
+                   "--device", args.device, "--shape", args.shape, "--tokens", str(args.tokens), "--rows", str(args.rows),
+                   "--draft-vocab", str(args.draft_vocab), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--row-out", str(row_file)]
+        if peak:
+            command += ["--peak-tflops", str(peak)]
+        try:
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=REPO_ROOT)
+        except subprocess.TimeoutExpired:
+            return {"variant": text, "error": f"timeout: no result within {timeout_s:.0f} s (compilation included)"}
+        if proc.returncode != 0 or not row_file.exists():
+            return {"variant": text, "error": f"exit {proc.returncode}: {proc.stderr[-3000:]}"}
+        return json.loads(row_file.read_text())
+
+
 def throughput(args: argparse.Namespace, started: float) -> dict[str, Any]:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     peak = measure_matmul_tflops(device) if cuda else None
-    step_args = argparse.Namespace(shape=args.shape, tokens=args.tokens, rows=args.rows, draft_vocab=args.draft_vocab,
-                                   ttt_length=7, steps=args.steps, warmup=args.warmup)
     setup = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
              "shape": args.shape, "tokens_per_row": args.tokens, "rows": args.rows, "draft_vocab": args.draft_vocab,
              "steps": args.steps, "warmup": args.warmup,
              "bf16_matmul_tflops_measured": round(peak, 1) if peak else None}
+    if cuda:
+        torch.cuda.empty_cache()  # the children need the memory, not this process
     rows: dict[str, dict[str, Any]] = {}
     for text in args.variants:
         spent = time.monotonic() - started
-        if rows and spent + args.variant_budget_s > args.deadline_s:
-            rows[text] = {"variant": text, "skipped": f"deadline: {spent:.0f} of {args.deadline_s:.0f} s spent, "
-                                                      f"a variant takes up to ~{args.variant_budget_s:.0f} s"}
+        left = args.deadline_s - spent
+        if left < MIN_VARIANT_S:
+            rows[text] = {"variant": text, "skipped": f"deadline: {spent:.0f} of {args.deadline_s:.0f} s spent"}
             continue
-        try:
-            row = run_variant(step_args, StepVariant.parse(text), device, peak, None)
-        except Exception as err:  # noqa: BLE001 - a variant that fails to compile here is a result, not the end of the call
-            row = {"variant": text, "error": f"{type(err).__name__}: {str(err)[:3000]}"}
-        if cuda:
-            torch.cuda.empty_cache()
+        row = _variant_in_child(args, text, min(args.variant_budget_s, left), peak)
         row["after_s"] = round(time.monotonic() - started, 1)
         rows[text] = row
-        print(row, flush=True)
+        print(json.dumps(row), flush=True)
         if args.out:
             update_section(args.out, SECTION, {**summarize(rows), "step_setup": setup})
     return {**summarize(rows), "step_setup": setup}
@@ -175,7 +205,8 @@ def quality(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["throughput", "quality", "both"], default="both")
+    parser.add_argument("--part", choices=["throughput", "quality", "both", "variant"], default="both",
+                        help="variant: one --variant in this process, its row to --row-out (what throughput runs)")
     parser.add_argument("--quick", action="store_true", help="CPU smoke: the reference shape, eager, a tiny quality run")
     parser.add_argument("--device", default=None, help="default cuda if present (cpu with --quick)")
     parser.add_argument("--out", type=Path, default=None, help="merge the results into this JSON's 'train' section")
@@ -189,8 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     throughput_group.add_argument("--warmup", type=int, default=None, help="untimed steps first (3: compile, record)")
     throughput_group.add_argument("--deadline-s", type=float, default=330.0,
                                   help="start no variant that could end after this many seconds of the part")
-    throughput_group.add_argument("--variant-budget-s", type=float, default=120.0,
-                                  help="what one variant is allowed for, compilation included")
+    throughput_group.add_argument("--variant-budget-s", type=float, default=150.0,
+                                  help="one variant's child process is stopped after this long, compilation included")
+    throughput_group.add_argument("--variant", default=None, help=argparse.SUPPRESS)
+    throughput_group.add_argument("--row-out", type=Path, default=None, help=argparse.SUPPRESS)
+    throughput_group.add_argument("--peak-tflops", type=float, default=None, help=argparse.SUPPRESS)
     quality_group = parser.add_argument_group("quality")
     quality_group.add_argument("--records", type=int, default=None, help="training records (400)")
     quality_group.add_argument("--held-out-records", type=int, default=None, help="held-out records (76)")
@@ -217,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     if quick:
         args.quality_draft_vocab = min(args.quality_draft_vocab, 256)
     started = time.monotonic()
+    if args.part == "variant":
+        write_results(args.row_out, measure_variant(args))
+        return 0
     if args.part in ("throughput", "both"):
         throughput(args, started)
     if args.part in ("quality", "both"):

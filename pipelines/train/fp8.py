@@ -61,7 +61,8 @@ def quantize(t: torch.Tensor, fmt: torch.dtype) -> tuple[torch.Tensor, torch.Ten
     fmax = torch.finfo(fmt).max
     amax = t.detach().abs().amax().float().clamp(min=_AMAX_FLOOR)
     scale = fmax / amax
-    t_fp8 = (t.detach().float() * scale).clamp(-fmax, fmax).to(fmt)
+    # Elementwise results keep their input's strides; _scaled_mm wants its first operand row-major.
+    t_fp8 = (t.detach().float() * scale).clamp(-fmax, fmax).to(fmt).contiguous()
     return t_fp8, scale.reciprocal()
 
 

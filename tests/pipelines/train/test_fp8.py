@@ -63,6 +63,15 @@ def test_fp8_linear_equals_the_float_emulation(tokens) -> None:
     assert y.dtype == x.dtype and x.grad.dtype == x.dtype and w.grad.dtype == w.dtype
 
 
+def test_a_transposed_gradient_is_quantized_row_major() -> None:
+    """``y.T`` upstream hands the backward a column-major gradient; _scaled_mm takes row-major."""
+    x, w, grad_out = _inputs(32)
+    fp8_linear(x, w).T.backward(grad_out.T.contiguous())
+    want_y, want_gx, want_gw = emulated_linear(x, w, grad_out)
+    torch.testing.assert_close(x.grad.double(), want_gx, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad.double(), want_gw, rtol=1e-5, atol=1e-5)
+
+
 def test_fp8_linear_is_close_to_the_exact_product() -> None:
     """The scaling is right, not only self-consistent: e4m3 keeps ~2^-4 relative precision per
     element, e5m2 ~2^-3, and a sum of many products averages their rounding."""
