@@ -17,8 +17,9 @@ child process of its own (stopped after ``--variant-budget-s``; a variant that b
 break the next). A variant with less than ~45 s left before ``--deadline-s`` is skipped and says
 so; the results file is rewritten after every variant, so a call cut short keeps what it measured.
 
-**quality**: the reference target's store (``draft_train.jsonl``, extracted here in bf16) and a
-held-out store from the records after it; the same recipe (seed, samples and their order) trained
+**quality**: the reference target's store (``draft_train.jsonl``, or the repository's bundled
+slice of it where that is absent, as on the GPU box; extracted here in bf16) and a held-out store
+from the records after those; the same recipe (seed, samples and their order) trained
 ``--quality-steps`` steps with ``fp8: false`` and ``fp8: true`` (the compile mode is the recipe
 default for both); then each final draft's per-depth accuracy on the held-out store, in float32
 (a draft trained in FP8 is served in bf16: its weights are what is compared).
@@ -152,18 +153,24 @@ def quality(args: argparse.Namespace) -> dict[str, Any]:
         make_recipe,
     )
     from pipelines.train.trainer import run_training
+    from tests.support.paths import TRAIN_SLICE
 
     device = torch.device(args.device)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="step-modes-"))
     workdir.mkdir(parents=True, exist_ok=True)
     try:
+        # The full record set where it is (a development machine, HSSTORE_TRAIN_DATA); the GPU box
+        # gets only the repository, whose bundled slice then serves, split the same way.
+        data = TRAIN_DATA if TRAIN_DATA.exists() else TRAIN_SLICE
+        num_records = sum(1 for line in data.read_text().splitlines() if line.strip())
+        held_out_records = min(args.held_out_records, num_records // 5)
+        records = min(args.records, num_records - held_out_records)
         train_store, held_out = workdir / "ref-bf16", workdir / "ref-held-out"
         t0 = time.monotonic()
         if not train_store.exists():
-            extract_reference(train_store, TRAIN_DATA, args.records, args.max_length, "bf16", args.device)
+            extract_reference(train_store, data, records, args.max_length, "bf16", args.device)
         if not held_out.exists():
-            extract_reference(held_out, TRAIN_DATA, args.held_out_records, args.max_length, "bf16", args.device,
-                              skip=args.records)
+            extract_reference(held_out, data, held_out_records, args.max_length, "bf16", args.device, skip=records)
         extract_s = time.monotonic() - t0
         recipe_args = argparse.Namespace(device=args.device, draft_vocab=args.quality_draft_vocab,
                                          token_budget=args.quality_token_budget, read_threads=4, rows=1,
@@ -187,8 +194,8 @@ def quality(args: argparse.Namespace) -> dict[str, Any]:
             "fp8_heldout_acc_depth0_rel_delta": round(
                 (runs["fp8"]["held_out_acc"][0] - runs["bf16"]["held_out_acc"][0]) / runs["bf16"]["held_out_acc"][0], 4)
             if runs["bf16"]["held_out_acc"][0] else None,
-            "heldout_quality": {"target": "examples/reference-target", "records": args.records,
-                                "held_out_records": args.held_out_records, "max_length": args.max_length,
+            "heldout_quality": {"target": "examples/reference-target", "data": str(data.relative_to(data.parents[1])),
+                                "records": records, "held_out_records": held_out_records, "max_length": args.max_length,
                                 "token_budget": args.quality_token_budget, "draft_vocab": args.quality_draft_vocab,
                                 "extract_s": round(extract_s, 1), "runs": runs},
         }
@@ -227,9 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     throughput_group.add_argument("--peak-tflops", type=float, default=None, help=argparse.SUPPRESS)
     quality_group = parser.add_argument_group("quality")
     quality_group.add_argument("--records", type=int, default=None, help="training records (400)")
-    quality_group.add_argument("--held-out-records", type=int, default=None, help="held-out records (76)")
+    quality_group.add_argument("--held-out-records", type=int, default=None,
+                               help="held-out records (76), at most a fifth of the records there are")
     quality_group.add_argument("--max-length", type=int, default=None)
-    quality_group.add_argument("--quality-steps", type=int, default=None, help="steps per run (240)")
+    quality_group.add_argument("--quality-steps", type=int, default=None, help="steps per run (200)")
     quality_group.add_argument("--quality-token-budget", type=int, default=None)
     quality_group.add_argument("--quality-draft-vocab", type=int, default=2048)
     quality_group.add_argument("--lr", type=float, default=1e-3)
@@ -246,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     args.records = args.records or (6 if quick else 400)
     args.held_out_records = args.held_out_records or (4 if quick else 76)
     args.max_length = args.max_length or (128 if quick else 2048)
-    args.quality_steps = args.quality_steps or (2 if quick else 240)
+    args.quality_steps = args.quality_steps or (2 if quick else 200)
     args.quality_token_budget = args.quality_token_budget or (256 if quick else 8192)
     if quick:
         args.quality_draft_vocab = min(args.quality_draft_vocab, 256)
