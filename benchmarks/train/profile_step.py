@@ -147,7 +147,8 @@ def run_variant(args: argparse.Namespace, variant: StepVariant, device: torch.de
         features = {k: v.float() for k, v in features.items()}
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()
 
-    def step() -> torch.Tensor:
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        """One training step; its loss and per-depth scored counts, left on the device."""
         with autocast:
             out = objective(features, batch["input_ids"], batch["position_ids"], batch["loss_mask"], batch["doc_ids"])
         loss = sum(0.8**i * s / c.clamp(min=1) for i, (s, c) in enumerate(zip(out.loss_sums, out.counts, strict=True)))
@@ -155,12 +156,12 @@ def run_variant(args: argparse.Namespace, variant: StepVariant, device: torch.de
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return loss.detach(), torch.stack(out.counts)
 
     losses, warmup_s = [], []
     for _ in range(args.warmup):
         t0 = time.perf_counter()
-        losses.append(float(step()))
+        losses.append(float(step()[0]))
         warmup_s.append(time.perf_counter() - t0)
     _sync(device)
     if cuda:
@@ -168,13 +169,13 @@ def run_variant(args: argparse.Namespace, variant: StepVariant, device: torch.de
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
-        loss = step()
+        loss, scored = step()
         _sync(device)
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))  # after the clock: the step is timed without this sync
-    with torch.no_grad(), autocast:
-        scored = objective(features, batch["input_ids"], batch["position_ids"], batch["loss_mask"], batch["doc_ids"]).counts
-    scored_fraction = float(torch.stack(scored).double().mean()) / (args.rows * args.tokens)
+    # From the last timed step (one batch throughout): another forward, without gradients, would
+    # make a compiled step trace and compile again.
+    scored_fraction = float(scored.double().mean()) / (args.rows * args.tokens)
     step_s = sorted(times)[len(times) // 2]
     tokens = args.rows * args.tokens
     flops = step_flops_per_token(cfg, args.ttt_length, scored_fraction) * tokens
