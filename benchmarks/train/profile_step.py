@@ -126,6 +126,9 @@ def run_variant(args: argparse.Namespace, variant: StepVariant, device: torch.de
     """Time ``args.steps`` steps after ``args.warmup`` (the first of which compiles) on ``device``;
     ``peak_tflops`` (the measured bf16 matmul rate, CUDA) turns model FLOP/s into an MFU."""
     torch._dynamo.reset()  # each variant compiles afresh (and never hits the recompile limit)
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     cfg = Eagle3Config(**SHAPES[args.shape], draft_vocab_size=args.draft_vocab, aux_layer_ids=[2, 18, 33])
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg).to(device)
@@ -189,6 +192,14 @@ def run_variant(args: argparse.Namespace, variant: StepVariant, device: torch.de
         # The same batch every step from the same initial draft: the variants' losses should agree.
         "loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4),
     }
+    if variant.compile != CompileMode.OFF:
+        # Whether the step stayed whole: graphs traced, breaks, and CUDA graphs inductor declined
+        # (their reasons go to the log with TORCH_LOGS=perf_hints, which step-modes sets).
+        from torch._dynamo.utils import counters
+
+        result["dynamo"] = {"unique_graphs": counters["stats"]["unique_graphs"],
+                            "graph_breaks": sum(counters["graph_break"].values()),
+                            "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
     if peak_tflops:
         result["mfu_vs_measured_matmul"] = round(flops / step_s / 1e12 / peak_tflops, 3)
     if cuda:

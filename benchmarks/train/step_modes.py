@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -102,13 +103,19 @@ def _variant_in_child(args: argparse.Namespace, text: str, timeout_s: float, pea
                    "--row-out", str(row_file)]
         if peak:
             command += ["--peak-tflops", str(peak)]
+        # perf_hints: why inductor declined to capture CUDA graphs, if it did.
+        env = {**os.environ, "TORCH_LOGS": os.environ.get("TORCH_LOGS", "perf_hints")}
         try:
-            proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=REPO_ROOT)
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=REPO_ROOT, env=env)
         except subprocess.TimeoutExpired:
             return {"variant": text, "error": f"timeout: no result within {timeout_s:.0f} s (compilation included)"}
         if proc.returncode != 0 or not row_file.exists():
             return {"variant": text, "error": f"exit {proc.returncode}: {proc.stderr[-3000:]}"}
-        return json.loads(row_file.read_text())
+        row = json.loads(row_file.read_text())
+        hints = [line[:300] for line in proc.stderr.splitlines() if "cudagraph" in line.lower()]
+        if hints:
+            row["cudagraph_notes"] = hints[:5]
+        return row
 
 
 def throughput(args: argparse.Namespace, started: float) -> dict[str, Any]:
