@@ -178,11 +178,14 @@ def quality(args: argparse.Namespace) -> dict[str, Any]:
             extract_reference(train_store, data, records, args.max_length, "bf16", args.device)
         if not held_out.exists():
             extract_reference(held_out, data, held_out_records, args.max_length, "bf16", args.device, skip=records)
-        extract_s = time.monotonic() - t0
         recipe_args = argparse.Namespace(device=args.device, draft_vocab=args.quality_draft_vocab,
                                          token_budget=args.quality_token_budget, read_threads=4, rows=1,
                                          lr=args.lr, steps=args.quality_steps)
-        runs = {}
+        setup = {"target": "examples/reference-target", "data": data.name,
+                 "records": records, "held_out_records": held_out_records, "max_length": args.max_length,
+                 "token_budget": args.quality_token_budget, "draft_vocab": args.quality_draft_vocab,
+                 "extract_s": round(time.monotonic() - t0, 1)}
+        runs: dict[str, Any] = {}
         for name, fp8 in (("bf16", False), ("fp8", True)):
             out = workdir / f"quality-{name}"
             shutil.rmtree(out, ignore_errors=True)
@@ -195,16 +198,15 @@ def quality(args: argparse.Namespace) -> dict[str, Any]:
                           "final_loss": summary["final_loss"], "tokens_per_s": round(summary["tokens_per_s"]),
                           "compile": str(resolve_compile_mode(recipe.compile, device))}
             print(name, runs[name], flush=True)
+            if args.out:  # each run as it lands: a call cut short keeps the first
+                update_section(args.out, SECTION, {"heldout_quality": {**setup, "runs": runs}})
         bf16, fp8_acc = mean(runs["bf16"]["held_out_acc"]), mean(runs["fp8"]["held_out_acc"])
         result = {
             "fp8_heldout_acc_rel_delta": round((fp8_acc - bf16) / bf16, 4) if bf16 else None,
             "fp8_heldout_acc_depth0_rel_delta": round(
                 (runs["fp8"]["held_out_acc"][0] - runs["bf16"]["held_out_acc"][0]) / runs["bf16"]["held_out_acc"][0], 4)
             if runs["bf16"]["held_out_acc"][0] else None,
-            "heldout_quality": {"target": "examples/reference-target", "data": str(data.relative_to(data.parents[1])),
-                                "records": records, "held_out_records": held_out_records, "max_length": args.max_length,
-                                "token_budget": args.quality_token_budget, "draft_vocab": args.quality_draft_vocab,
-                                "extract_s": round(extract_s, 1), "runs": runs},
+            "heldout_quality": {**setup, "runs": runs},
         }
     finally:
         if not args.workdir:
@@ -232,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     throughput_group.add_argument("--draft-vocab", type=int, default=None, help="32000")
     throughput_group.add_argument("--steps", type=int, default=None, help="timed steps per variant (10)")
     throughput_group.add_argument("--warmup", type=int, default=None, help="untimed steps first (3: compile, record)")
-    throughput_group.add_argument("--deadline-s", type=float, default=330.0,
+    throughput_group.add_argument("--deadline-s", type=float, default=300.0,
                                   help="start no variant that could end after this many seconds of the part")
     throughput_group.add_argument("--variant-budget-s", type=float, default=150.0,
                                   help="one variant's child process is stopped after this long, compilation included")
@@ -244,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     quality_group.add_argument("--held-out-records", type=int, default=None,
                                help="held-out records (76), at most a fifth of the records there are")
     quality_group.add_argument("--max-length", type=int, default=None)
-    quality_group.add_argument("--quality-steps", type=int, default=None, help="steps per run (200)")
+    quality_group.add_argument("--quality-steps", type=int, default=None, help="steps per run (120)")
     quality_group.add_argument("--quality-token-budget", type=int, default=None)
     quality_group.add_argument("--quality-draft-vocab", type=int, default=2048)
     quality_group.add_argument("--lr", type=float, default=1e-3)
@@ -261,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     args.records = args.records or (6 if quick else 400)
     args.held_out_records = args.held_out_records or (4 if quick else 76)
     args.max_length = args.max_length or (128 if quick else 2048)
-    args.quality_steps = args.quality_steps or (2 if quick else 200)
+    args.quality_steps = args.quality_steps or (2 if quick else 120)
     args.quality_token_budget = args.quality_token_budget or (256 if quick else 8192)
     if quick:
         args.quality_draft_vocab = min(args.quality_draft_vocab, 256)
