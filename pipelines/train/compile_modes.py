@@ -48,14 +48,21 @@ class CompileMode(StrEnum):
 CUDA_DEFAULT = CompileMode.LAYERS
 
 
-def resolve_compile_mode(choice: str | bool, device: torch.device) -> CompileMode:
-    """The recipe's ``compile`` value as a mode: ``auto`` is :data:`CUDA_DEFAULT` on CUDA and
-    ``off`` elsewhere (the CPU CI has no compiler toolchain to rely on); ``on`` (and ``True``) is
+def resolve_compile_mode(
+    choice: str | bool, device: torch.device, world_size: int = 1, grad_accum_steps: int = 1
+) -> CompileMode:
+    """The recipe's ``compile`` value as a mode: ``auto`` is :data:`CUDA_DEFAULT` on CUDA (``step``
+    where that is ``graph`` and the run has several processes or accumulates gradients) and ``off``
+    elsewhere (the CPU CI has no compiler toolchain to rely on); ``on`` (and ``True``) is
     ``layers``, what ``on`` meant before the other modes existed."""
     if isinstance(choice, bool):
         return CompileMode.LAYERS if choice else CompileMode.OFF
     if choice == "auto":
-        return CUDA_DEFAULT if device.type == "cuda" else CompileMode.OFF
+        if device.type != "cuda":
+            return CompileMode.OFF
+        if CUDA_DEFAULT == CompileMode.GRAPH and (world_size > 1 or grad_accum_steps > 1):
+            return CompileMode.STEP
+        return CUDA_DEFAULT
     if choice == "on":
         return CompileMode.LAYERS
     try:

@@ -33,7 +33,7 @@ from pipelines.models.checkpoint import (
 )
 from pipelines.models.eagle3 import Eagle3Config, Eagle3Draft
 from pipelines.train.candidate import attach_candidate_head
-from pipelines.train.compile_modes import resolve_compile_mode
+from pipelines.train.compile_modes import CompileMode, resolve_compile_mode
 from pipelines.train.config import TrainRecipe
 from pipelines.train.metrics import CANDIDATE_HEAD_METRICS, DRAFT_METRICS, StageMetrics
 from pipelines.train.objective import (
@@ -147,7 +147,7 @@ class DraftStage(TrainingStage):
         recipe = self.recipe
         return DraftObjective(
             draft, teacher, head, recipe.ttt_length, recipe.attention,
-            compile=resolve_compile_mode(recipe.compile, device), fp8=recipe.fp8,
+            compile=compile_mode_for(recipe, device), fp8=recipe.fp8,
         )
 
 
@@ -214,3 +214,12 @@ def training_aux_layer_ids(recipe: TrainRecipe, store: hsstore.Store) -> list[in
     """The aux layer ids this run trains on: the recipe's subset of the store's captured layers."""
     captured = list(store.lineage.aux_layer_ids)
     return [captured[i] for i in select_aux_layers(captured, recipe.aux_layer_ids)]
+
+
+def compile_mode_for(recipe: TrainRecipe, device: torch.device) -> CompileMode:
+    """The recipe's ``compile`` resolved for this run (``auto`` depends on the device, the number
+    of processes and gradient accumulation: ``pipelines.train.compile_modes``)."""
+    import torch.distributed as dist
+
+    world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return resolve_compile_mode(recipe.compile, device, world_size, recipe.grad_accum_steps)

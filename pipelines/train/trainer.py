@@ -38,7 +38,7 @@ from hsstore.torch_data import WaitTimer
 from pipelines.models.eagle3 import Eagle3Draft
 from pipelines.recipe import dump_recipe
 from pipelines.train import checkpoint as ckpt
-from pipelines.train.compile_modes import check_compile_mode, resolve_compile_mode
+from pipelines.train.compile_modes import check_compile_mode
 from pipelines.train.config import TrainRecipe
 from pipelines.train.data import LoaderSettings, batch_on_device, batch_stream, open_loader
 from pipelines.train.distributed import (
@@ -52,7 +52,7 @@ from pipelines.train.lineage_check import check_lineage, choose_teacher
 from pipelines.train.metrics import MetricsWindow, append_record, summary_text
 from pipelines.train.objective import loss_denominators
 from pipelines.train.preemption import Preemption
-from pipelines.train.stages import TrainingStage, stage_for
+from pipelines.train.stages import TrainingStage, compile_mode_for, stage_for
 from pipelines.train.target_heads import TargetHeads, load_target_heads
 from pipelines.train.teacher_mode import TeacherMode
 
@@ -237,7 +237,7 @@ def setup(recipe: TrainRecipe, dist_state: Distributed, device: torch.device) ->
         draft = stage.resume_model(resume_from, device)
     draft.embed_tokens.weight.requires_grad_(False)
     draft = draft.to(device)
-    check_compile_mode(resolve_compile_mode(recipe.compile, device), device, dist_state.world_size, recipe.grad_accum_steps)
+    check_compile_mode(compile_mode_for(recipe, device), device, dist_state.world_size, recipe.grad_accum_steps)
     model = wrap_ddp(stage.build_objective(draft, teacher, heads, device), dist_state)
     params = [p for p in draft.parameters() if p.requires_grad]
     settings = recipe.optimizer

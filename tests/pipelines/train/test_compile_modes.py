@@ -162,6 +162,17 @@ def test_auto_is_off_on_the_cpu_and_on_means_layers() -> None:
         resolve_compile_mode("fast", cpu)
 
 
+def test_auto_never_picks_graph_where_graph_is_refused(monkeypatch) -> None:
+    import pipelines.train.compile_modes as modes
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(modes, "CUDA_DEFAULT", CompileMode.GRAPH)  # as if the GPU measurement chose it
+    assert resolve_compile_mode("auto", cuda) == CompileMode.GRAPH
+    assert resolve_compile_mode("auto", cuda, world_size=2) == CompileMode.STEP
+    assert resolve_compile_mode("auto", cuda, grad_accum_steps=4) == CompileMode.STEP
+    assert resolve_compile_mode("graph", cuda, world_size=2) == CompileMode.GRAPH  # asked for: refused later
+
+
 def test_graph_mode_is_refused_where_replay_would_be_wrong() -> None:
     check_compile_mode(CompileMode.GRAPH, torch.device("cuda"), world_size=1, grad_accum_steps=1)
     check_compile_mode(CompileMode.STEP, torch.device("cpu"), world_size=4, grad_accum_steps=8)
