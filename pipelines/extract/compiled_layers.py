@@ -133,11 +133,13 @@ class _CompiledForward:
     def __init__(self, owner: CompiledDecoderLayers, eager: Any):
         self.owner = owner
         self.eager = eager
-        self.compiled = torch.compile(eager)
+        self.compiled: Any = None  # torch.compile'd at the first batch that needs it
 
     def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if self.owner.disabled or hidden_states.dim() != 3 or min(hidden_states.shape[:2]) < 2:
             return self.eager(hidden_states, *args, **kwargs)
+        if self.compiled is None:
+            self.compiled = torch.compile(self.eager)
         mark_dynamic_dims(hidden_states, kwargs)
         before = _graph_count()
         output = self.compiled(hidden_states, *args, **kwargs)
