@@ -52,8 +52,9 @@ class LocalExecutor:
             self._worker: Future[Any] = Future()
             self._worker.set_result(worker)
         else:
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="load-worker") as pool:
-                self._worker = pool.submit(worker_class, spec)  # the pool's thread ends with it
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="load-worker")
+            self._worker = pool.submit(worker_class, spec)
+            pool.shutdown(wait=False)  # returns now; the pool's thread ends once the worker is built
 
     @property
     def worker(self) -> Any:
