@@ -191,6 +191,9 @@ def extract(
                 location, setup.features, lineage, summary, UnitRejects(location), on_commit
             )
             run_units(executor, itertools.chain([first], todo), committer, progress, job_started_at)
+    except Exception:
+        lineage.settle_after_failure()
+        raise
     finally:
         if executor is not None:
             executor.close()

@@ -7,6 +7,7 @@ is refused (the first differing lineage field named) before any compute.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -194,6 +195,15 @@ class PendingLineage:
         finally:
             self.hash_seconds = time.perf_counter() - start
             self._done.set()
+
+    def settle_after_failure(self) -> None:
+        """A run failing before its first commit: create the store with its lineage as a run that
+        gets further would (a failed run leaves a store that verifies, with its rejects and dead
+        attempts), if the hashes are done; never wait for them (the failure is reported at once)
+        and never raise over the failure (a mismatch here is refused by the next run)."""
+        if self._lineage is None and self._done.is_set() and self._error is None:
+            with contextlib.suppress(Exception):  # the run's own error is the one to report
+                self.get()
 
     def get(self) -> Lineage:
         """The complete lineage, reconciled with the store (created now if new); waits for the
