@@ -167,12 +167,13 @@ def report(args: argparse.Namespace) -> None:
     for label, value, aim in aims:
         print(f"| {label} | {fmt(value)} | {aim} |")
     if args.write:
-        results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-        results["extract"] = extract
+        path = Path(args.results)
+        results = json.loads(path.read_text()) if path.exists() else {}
+        results["extract"] = extract  # the train section (issue 31's parts 3-4) is left as it is
         results["extract_details"] = {**details, "machine": measured["machine"], "date": measured["date"],
                                       "settings": measured["settings"]}
-        RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"wrote the extract section of {RESULTS}")
+        path.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote the extract section of {path}")
 
 
 def fmt(value: Any) -> str:
@@ -185,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_extract gpu-limit", description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["run", "compare", "report"])
     parser.add_argument("json", nargs="?", help="report: the gpu-limit-extract.json a run wrote")
-    parser.add_argument("--write", action="store_true", help="report: merge into benchmarks/results/gpu-limit-h200.json")
+    parser.add_argument("--write", action="store_true", help="report: merge the extract section into --results")
+    parser.add_argument("--results", default=str(RESULTS), help="report --write: the results file")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/hsstore-gpu-out"))
     parser.add_argument("--work", default="/tmp/hsstore-work/gpu-limit")
     parser.add_argument("--shape", default="qwen3-8b", choices=sorted(through_ray.AUX_LAYER_IDS))
