@@ -664,28 +664,33 @@ def table(results: dict[str, Any], runs: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["run", "prepare", "bare", "compare"])
+def add_workload_arguments(parser: argparse.ArgumentParser, *, work: str, tokens: int, deadline_s: float) -> None:
+    """The model, data, batching and output options this mode's steps read (gpu_limit.py's too)."""
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/hsstore-gpu-out"))
-    parser.add_argument("--work", default="/tmp/hsstore-work/extract-ray")
+    parser.add_argument("--work", default=work)
     parser.add_argument("--shape", default="qwen3-8b", choices=sorted(AUX_LAYER_IDS))
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--executor", default="ray", choices=["ray", "local"])
-    parser.add_argument("--gpus", type=int, default=2, help="GPUs on the machine (runs with more actors are skipped)")
-    parser.add_argument("--split-gpus", type=int, default=2, help="GPUs of the split-target actor (1: no split run)")
-    parser.add_argument("--split-records", type=int, default=200, help="records the split run extracts")
-    parser.add_argument("--compare-samples", type=int, default=32, help="samples compared split vs one GPU")
-    parser.add_argument("--tokens", type=int, default=1_200_000)
+    parser.add_argument("--tokens", type=int, default=tokens)
     parser.add_argument("--min-length", type=int, default=1024)
     parser.add_argument("--max-length", type=int, default=2048)
     parser.add_argument("--max-length-cap", type=int, default=4096, help="batching.max_length")
     parser.add_argument("--token-budget", type=int, default=32768)
     parser.add_argument("--unit-tokens", type=int, default=262144)
     parser.add_argument("--cpus-per-worker", type=float, default=8)
-    parser.add_argument("--disk-gib", type=float, default=4.0)
     parser.add_argument("--planning-workers", type=int, default=4, help="planning.num_workers of each run")
-    parser.add_argument("--deadline-s", type=float, default=400, help="start no step after this many seconds")
+    parser.add_argument("--compare-samples", type=int, default=32, help="samples compared against one GPU's eager capture")
+    parser.add_argument("--deadline-s", type=float, default=deadline_s, help="start no step after this many seconds")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=["run", "prepare", "bare", "compare"])
+    add_workload_arguments(parser, work="/tmp/hsstore-work/extract-ray", tokens=1_200_000, deadline_s=400)
+    parser.add_argument("--gpus", type=int, default=2, help="GPUs on the machine (runs with more actors are skipped)")
+    parser.add_argument("--split-gpus", type=int, default=2, help="GPUs of the split-target actor (1: no split run)")
+    parser.add_argument("--split-records", type=int, default=200, help="records the split run extracts")
+    parser.add_argument("--disk-gib", type=float, default=4.0)
     parser.add_argument("--runs", default="bf16-1,fp8-1,bf16-2,fp8-2,split",
                         help="which extraction runs (a long run splits over two device calls, the bare forward runs in each); "
                         "bf16-1-local / fp8-1-local: in process (executor=local)")
