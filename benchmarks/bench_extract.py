@@ -438,6 +438,7 @@ def extract_vs_forward(argv: list[str] | None = None) -> int:
 MODES = {
     "ray": "benchmarks.extract.through_ray",
     "ray-report": "benchmarks.extract.ray_report",
+    "gpu-limit": "benchmarks.extract.gpu_limit",
     "dry-run-memory": "benchmarks.extract.dry_run_memory",
     "trace": "benchmarks.extract.trace_head",
     "cluster": "benchmarks.extract.cluster",

@@ -4,6 +4,7 @@
 #   bash tools/gpu_session.sh write-extract-train # shard writes, bench_extract, bench_train
 #   DRAFT=... bash tools/gpu_session.sh evaluate  # bench_evaluate + GPU tests
 #   bash tools/gpu_session.sh extract-ray         # issue 13 + 16.3 on nvidia-h200-x2 (~8 min)
+#   bash tools/gpu_session.sh gpu-limit-extract   # issue 31 parts 1-2 on nvidia-h200 (~6-7 min)
 # The first three expect wheels for the packages the GPU image lacks in .whl/ (zarr, numcodecs,
 # pydantic, ...) and the training data gzipped at .bench/draft_train.jsonl.gz (../shared does not
 # travel); they run extraction in process (executor=local). extract-ray uses the .gpu/ bundle
@@ -14,7 +15,7 @@ stage=${1:?stage}
 OUT=${OUT:-/tmp/hsstore-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if [ "$stage" = extract-ray ]; then
+if [ "$stage" = extract-ray ] || [ "$stage" = gpu-limit-extract ]; then
   # .gpu/ from ../shared/gpu/make-bundle.sh plus tools/gpu_bundle_extras.sh (crc32c, zarr pinned).
   bash .gpu/setup.sh || exit 1
   # --upgrade: a warm machine keeps /tmp/site from an earlier call (an older bundle's zarr).
@@ -85,6 +86,15 @@ extract-ray)
   python3 -m benchmarks.bench_extract ray run --out "$OUT" --work /tmp/hsstore-work/extract-ray ${EXTRACT_RAY_ARGS:-} 2>&1 | tail -n 40
   # The GPU-marked tests of this work (GPU fp8 encode == CPU bits, the pinned pool, a 2-GPU split).
   timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/hsstore/test_codecs_encode_torch.py tests/pipelines/extract/test_sink.py tests/pipelines/extract/test_warm_up.py tests/pipelines/extract/test_placement.py 2>&1 | tail -n 4 | tee "$OUT/gpu-tests.txt"
+  ;;
+gpu-limit-extract)
+  # Issue 31 (parts 1-2) on one H200: the bare HF forward, `hsstore extract` through Ray eager and
+  # compiled (model.compile), compiled vs eager features on the same batches, the start of a ~1M-token
+  # job (model load, first forward, job wall); writes $OUT/gpu-limit-extract.json. Then, here:
+  #   python -m benchmarks.bench_extract gpu-limit report <files_at>/gpu-limit-extract.json --write
+  # GPU_LIMIT_ARGS="--tokens 600000" shortens it; no step starts after 420 s of benchmark.
+  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c 'import torch, transformers, sys; print(sys.version.split()[0], torch.__version__, transformers.__version__)'; nproc; df -h /tmp | tail -n 1; } | tee "$OUT/machine.txt"
+  python3 -m benchmarks.bench_extract gpu-limit run --out "$OUT" ${GPU_LIMIT_ARGS:-} 2>&1 | tail -n 40
   ;;
 *) echo "unknown stage $stage"; exit 2 ;;
 esac

@@ -146,7 +146,9 @@ def write_recipe(
         "store": str(store_path(args, name)),
         "limit": limit,
         "executor": executor or args.executor,
-        "model": {"dtype": "bfloat16", "device": "auto" if args.device == "cuda" else "cpu"},
+        # model.compile by name (a "-compiled" run), never "auto": the runs named as before stay the
+        # eager extraction they measured before auto compiled on CUDA.
+        "model": {"dtype": "bfloat16", "device": "auto" if args.device == "cuda" else "cpu", "compile": is_compiled(name)},
         "capture": {"aux_layer_ids": AUX_LAYER_IDS[args.shape]},
         "codecs": {
             "aux_hidden_states": {"codec": codec},
@@ -173,14 +175,16 @@ def store_path(args: argparse.Namespace, name: str) -> Path:
     return SHM_STORES / name if name.endswith("-shm") else Path(args.work) / "stores" / name
 
 
-def extract(args: argparse.Namespace, name: str, **settings: Any) -> dict[str, Any]:
+def extract(args: argparse.Namespace, name: str, env: dict[str, str] | None = None, **settings: Any) -> dict[str, Any]:
+    """``hsstore extract`` of run ``name`` in its own process (``env``: its environment, default
+    this one's); its summary, with the process's seconds and the store's GB/s written."""
     recipe = write_recipe(args, name, **settings)
     shutil.rmtree(store_path(args, name), ignore_errors=True)
     log(f"extract {name} ({settings})")
     start = time.perf_counter()
     done = subprocess.run(
         [sys.executable, "-m", "pipelines.cli", "extract", str(recipe), "--json", "--no-progress"],
-        cwd=REPO_ROOT, capture_output=True, text=True,
+        cwd=REPO_ROOT, capture_output=True, text=True, env=env,
     )
     if done.returncode != 0:
         sys.stderr.write(done.stderr[-4000:])
@@ -209,9 +213,10 @@ def last_json_object(text: str) -> dict[str, Any]:
     return json.loads("\n".join(lines[start : end + 1]))
 
 
-def step(args: argparse.Namespace, name: str, *extra: str) -> dict[str, Any]:
-    """Run a step of this script in its own process; it prints one JSON line last."""
-    command = [sys.executable, "-m", "benchmarks.bench_extract", "ray", name, "--work", args.work, "--shape", args.shape, "--device", args.device,
+def step(args: argparse.Namespace, name: str, *extra: str, mode: str = "ray") -> dict[str, Any]:
+    """Run a step of this script (of bench_extract's ``mode``) in its own process; it prints one
+    JSON line last."""
+    command = [sys.executable, "-m", "benchmarks.bench_extract", mode, name, "--work", args.work, "--shape", args.shape, "--device", args.device,
                "--token-budget", str(args.token_budget), "--unit-tokens", str(args.unit_tokens),
                "--max-length-cap", str(args.max_length_cap), "--split-records", str(args.split_records),
                "--compare-samples", str(args.compare_samples), *extra]
@@ -299,11 +304,11 @@ def relative_error(actual: Any, expected: Any) -> float:
     return float(error_T.max())
 
 
-def compare(args: argparse.Namespace) -> None:
-    """The split store against one GPU: (a) the same batches (the split run's first unit, batch by
-    batch as its worker ran it) through the extraction's capture code on one GPU; (b) the 1-GPU
-    bf16 store, sample by sample (the same sample ids, batched differently, so bf16 rounding
-    differs a little as well)."""
+def same_batches_error(args: argparse.Namespace, name: str, limit: int | None) -> tuple[float, int]:
+    """Run ``name``'s store against the same batches (its first unit, batch by batch as its
+    worker ran them: the same planning, budget and padding) through the extraction's capture code
+    on one device, eager, in this process: the largest per-token relative error of the aux and
+    final states over at most ``--compare-samples`` samples, and how many were compared."""
     import numpy as np
     import torch
 
@@ -313,12 +318,10 @@ def compare(args: argparse.Namespace) -> None:
     from pipelines.extract.target import load_target
 
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
-    stores = Path(args.work) / "stores"
-    split = hsstore.open_store(str(stores / "split"))
-    split_ids = split.samples["sample_id"].to_pylist()
-    index_of = {sid: i for i, sid in enumerate(split_ids)}
+    stored = hsstore.open_store(str(store_path(args, name)))
+    index_of = {sid: i for i, sid in enumerate(stored.samples["sample_id"].to_pylist())}
     model = load_target(str(Path(args.work) / "target"), dtype="bfloat16", device=device)
-    units, pad = planned_units(args, args.split_records)
+    units, pad = planned_units(args, limit)
     unit = units[0]
     worst, compared = 0.0, 0
     with HiddenStateCapture(model, AUX_LAYER_IDS[args.shape], pass_attention_mask=False) as capture:
@@ -331,12 +334,26 @@ def compare(args: argparse.Namespace) -> None:
             offset = 0
             for i in batch.indices:
                 row = unit.rows[i]
-                stored = split.read_sample(index_of[row.sample_id])
+                sample = stored.read_sample(index_of[row.sample_id])
                 span = slice(offset, offset + len(row.input_ids))
-                for name in ("aux_hidden_states", "final_hidden_state"):
-                    worst = max(worst, relative_error(stored[name], features[name][span].cpu()))
+                for feature in ("aux_hidden_states", "final_hidden_state"):
+                    worst = max(worst, relative_error(sample[feature], features[feature][span].cpu()))
                 offset += len(row.input_ids)
                 compared += 1
+    return worst, compared
+
+
+def compare(args: argparse.Namespace) -> None:
+    """The split store against one GPU: (a) the same batches (the split run's first unit, batch by
+    batch as its worker ran it) through the extraction's capture code on one GPU; (b) the 1-GPU
+    bf16 store, sample by sample (the same sample ids, batched differently, so bf16 rounding
+    differs a little as well)."""
+    import hsstore
+
+    stores = Path(args.work) / "stores"
+    worst, compared = same_batches_error(args, "split", args.split_records)
+    split = hsstore.open_store(str(stores / "split"))
+    split_ids = split.samples["sample_id"].to_pylist()
     result: dict[str, Any] = {"split_max_rel_err_same_batches": worst, "split_samples_compared": compared}
     log(f"split vs one GPU, same batches: max relative error {worst:.2e} over {compared} samples")
     if (stores / "bf16-1" / "manifest.json").exists():
@@ -428,18 +445,24 @@ def run(args: argparse.Namespace) -> None:
 
 
 def parse_run(name: str) -> tuple[str, int, str | None]:
-    """``fp8-1-local-shm`` -> (codec, actors, executor): the run names of ``--runs``, plus ``-shm``
-    and ``-trace`` (a torch.profiler trace of each worker's first batches, written under ``--out``:
-    a diagnostic, left out of the ratios)."""
+    """``fp8-1-local-shm`` -> (codec, actors, executor): the run names of ``--runs``, plus ``-shm``,
+    ``-trace`` (a torch.profiler trace of each worker's first batches, written under ``--out``:
+    a diagnostic, left out of the ratios) and ``-compiled`` (``model.compile: true``)."""
     parts = name.split("-")
     codec = {"bf16": "bf16", "fp8": "fp8_e4m3"}.get(parts[0])
-    if codec is None or len(parts) < 2 or not parts[1].isdigit() or not set(parts[2:]) <= {"local", "shm", "trace"}:
-        raise SystemExit(f"--sequence: unknown step {name!r} (bare, or e.g. bf16-1, fp8-1-shm, fp8-1-local, fp8-1-trace)")
+    if codec is None or len(parts) < 2 or not parts[1].isdigit() or not set(parts[2:]) <= {"local", "shm", "trace", "compiled"}:
+        raise SystemExit(f"--sequence: unknown step {name!r} (bare, or e.g. bf16-1, fp8-1-shm, fp8-1-local, fp8-1-trace, "
+                         "bf16-1-compiled)")
     return codec, int(parts[1]), "local" if "local" in parts[2:] else None
 
 
 def is_traced(name: str) -> bool:
     return "trace" in name.split("-")[2:]
+
+
+def is_compiled(name: str) -> bool:
+    """A ``-compiled`` run: ``model.compile: true`` (every other run ``false``)."""
+    return "compiled" in name.split("-")[2:]
 
 
 def run_sequence(args: argparse.Namespace, state: dict[str, Any], attempt: Any) -> None:
@@ -641,28 +664,33 @@ def table(results: dict[str, Any], runs: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["run", "prepare", "bare", "compare"])
+def add_workload_arguments(parser: argparse.ArgumentParser, *, work: str, tokens: int, deadline_s: float) -> None:
+    """The model, data, batching and output options this mode's steps read (gpu_limit.py's too)."""
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/hsstore-gpu-out"))
-    parser.add_argument("--work", default="/tmp/hsstore-work/extract-ray")
+    parser.add_argument("--work", default=work)
     parser.add_argument("--shape", default="qwen3-8b", choices=sorted(AUX_LAYER_IDS))
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--executor", default="ray", choices=["ray", "local"])
-    parser.add_argument("--gpus", type=int, default=2, help="GPUs on the machine (runs with more actors are skipped)")
-    parser.add_argument("--split-gpus", type=int, default=2, help="GPUs of the split-target actor (1: no split run)")
-    parser.add_argument("--split-records", type=int, default=200, help="records the split run extracts")
-    parser.add_argument("--compare-samples", type=int, default=32, help="samples compared split vs one GPU")
-    parser.add_argument("--tokens", type=int, default=1_200_000)
+    parser.add_argument("--tokens", type=int, default=tokens)
     parser.add_argument("--min-length", type=int, default=1024)
     parser.add_argument("--max-length", type=int, default=2048)
     parser.add_argument("--max-length-cap", type=int, default=4096, help="batching.max_length")
     parser.add_argument("--token-budget", type=int, default=32768)
     parser.add_argument("--unit-tokens", type=int, default=262144)
     parser.add_argument("--cpus-per-worker", type=float, default=8)
-    parser.add_argument("--disk-gib", type=float, default=4.0)
     parser.add_argument("--planning-workers", type=int, default=4, help="planning.num_workers of each run")
-    parser.add_argument("--deadline-s", type=float, default=400, help="start no step after this many seconds")
+    parser.add_argument("--compare-samples", type=int, default=32, help="samples compared against one GPU's eager capture")
+    parser.add_argument("--deadline-s", type=float, default=deadline_s, help="start no step after this many seconds")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=["run", "prepare", "bare", "compare"])
+    add_workload_arguments(parser, work="/tmp/hsstore-work/extract-ray", tokens=1_200_000, deadline_s=400)
+    parser.add_argument("--gpus", type=int, default=2, help="GPUs on the machine (runs with more actors are skipped)")
+    parser.add_argument("--split-gpus", type=int, default=2, help="GPUs of the split-target actor (1: no split run)")
+    parser.add_argument("--split-records", type=int, default=200, help="records the split run extracts")
+    parser.add_argument("--disk-gib", type=float, default=4.0)
     parser.add_argument("--runs", default="bf16-1,fp8-1,bf16-2,fp8-2,split",
                         help="which extraction runs (a long run splits over two device calls, the bare forward runs in each); "
                         "bf16-1-local / fp8-1-local: in process (executor=local)")

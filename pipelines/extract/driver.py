@@ -3,13 +3,17 @@
 Order of a run (each step is a function of the recipe and the data, so reruns agree):
 
 1. tokenizer, target config, features (:func:`prepare`);
-2. lineage; an existing store must have the same lineage (else refused, naming the field), so a
-   rerun can only resume the same extraction (:func:`open_store`);
-3. records are read, validated, tokenized and cut into units in a stream (planner.py), window by
+2. lineage (:func:`open_lineage`): the target's weights and the data are hashed on a daemon
+   thread; an existing store must have the same lineage (else refused, naming the field), so a
+   rerun can only resume the same extraction: its other fields are checked at once, the hashes
+   before planning; a new store is created with the complete lineage at the first commit;
+3. on a fresh store the executor starts now (Ray, the actors loading the model), while the hashes
+   run and the first window is planned: the fast start (docs/extraction.md);
+4. records are read, validated, tokenized and cut into units in a stream (planner.py), window by
    window as the executor asks for units; units whose shard id is already committed, or that
    belong to another partition rank, are skipped (:class:`UnitSchedule`);
-4. the executor runs the rest; as each unit finishes its shard is committed (unit_runner.py);
-5. every rejection, planning's and the worker's (rejects.py), goes to
+5. the executor runs the rest; as each unit finishes its shard is committed (unit_runner.py);
+6. every rejection, planning's and the worker's (rejects.py), goes to
    ``<store>/rejects/extract.jsonl`` and the summary; the last rank to finish removes dead shard
    attempts (:func:`finish`).
 
@@ -28,14 +32,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from hsstore import FeatureSpec, Lineage, committed_shard_ids, ensure_store
+from hsstore import FeatureSpec, Lineage, committed_shard_ids
 from hsstore.storage import StoreLocation
 from pipelines.extract.batching import plan_batches
 from pipelines.extract.lineage import (
+    PendingLineage,
     aux_layer_ids_for,
     build_features,
     build_lineage,
-    reconcile_lineage,
 )
 from pipelines.extract.planner import PlanJournal, StreamPlanner, WindowPlan, data_fingerprint
 from pipelines.extract.recipe import ExtractRecipe
@@ -51,11 +55,11 @@ from pipelines.extract.summary import ExtractionSummary
 from pipelines.extract.target import resolve_target
 from pipelines.extract.tokenize import SampleTokenizer
 from pipelines.extract.tokenizer_pool import make_sample_tokenizer
-from pipelines.extract.unit_runner import CommitHook, UnitCommitter, run_units
+from pipelines.extract.unit_runner import CommitHook, UnitCommitter, make_executor, run_units
 from pipelines.extract.units import WorkUnit, unit_shard_id
 from pipelines.extract.worker_spec import WorkerSpec
 from pipelines.generate.manifest import expand_generated_data
-from pipelines.target_identity import read_config, text_config
+from pipelines.target_identity import read_config, text_config, weight_file_hashes, weight_files
 
 __all__ = ["CommitHook", "run_extraction"]
 
@@ -78,14 +82,14 @@ def run_extraction(
     called after each unit's commit (tests use it to inject faults). ``dry_run`` plans only: reads
     and tokenizes every record, cuts the units, counts, and touches neither the store nor the model.
     """
-    wall_start = time.perf_counter()
+    wall_start, job_started_at = time.perf_counter(), time.time()
     setup = prepare(recipe)
     summary = ExtractionSummary(store=setup.recipe.store, rejects_path="", dry_run=dry_run)
     summary.feature_bytes_per_token = sum(f.raw_bytes_per_token for f in setup.features)
     if dry_run:
         plan_only(setup, summary)
     else:
-        extract(setup, summary, progress=progress, on_commit=on_commit)
+        extract(setup, summary, progress=progress, on_commit=on_commit, job_started_at=job_started_at)
     summary.wall_seconds = time.perf_counter() - wall_start
     return summary
 
@@ -150,50 +154,79 @@ def extract(
     *,
     progress: bool,
     on_commit: CommitHook | None,
+    job_started_at: float | None = None,
 ) -> None:
-    """Plan in a stream and run every unit of this partition rank that is not committed yet."""
+    """Plan in a stream and run every unit of this partition rank that is not committed yet.
+
+    ``job_started_at`` (time.time()): when the job started, for the summary's start-up timings."""
     recipe = setup.recipe
     location = StoreLocation(recipe.store, recipe.storage_options)
     summary.rejects_path = location.path(REJECTS_PATH)
-    lineage = open_store(setup, location)
+    job_started_at = time.time() if job_started_at is None else job_started_at
+    lineage = open_lineage(setup, location)
     committed = committed_shard_ids(location)
-    planner = StreamPlanner(
-        recipe, setup.tokenizer, setup.tokenizer_dir, journal=PlanJournal(location), committed=committed
+    spec = WorkerSpec.from_recipe(
+        recipe,
+        target_dir=setup.target_dir,
+        features=setup.features,
+        aux_layer_ids=setup.aux_layer_ids,
+        pad_token_id=pad_token_id(setup.tokenizer),
     )
-    schedule = UnitSchedule(planner, recipe, committed, summary)
-    todo = schedule.units()
-    first = next(todo, None)  # plans up to the first unit to run (all of it on a full resume)
-    if first is not None:
-        spec = WorkerSpec.from_recipe(
-            recipe,
-            target_dir=setup.target_dir,
-            features=setup.features,
-            aux_layer_ids=setup.aux_layer_ids,
-            pad_token_id=pad_token_id(setup.tokenizer),
+    # A fresh store: the workers start (Ray, the model loaded, the warm-up) while the lineage is
+    # hashed and the first window planned. A resume plans first: every unit may be committed
+    # already, and loading the target on every GPU to find that out would be waste.
+    executor = make_executor(recipe, spec) if not committed else None
+    try:
+        if lineage.store_exists:
+            lineage.get()  # other weights or data: refused before planning or any compute
+        planner = StreamPlanner(
+            recipe, setup.tokenizer, setup.tokenizer_dir, journal=PlanJournal(location), committed=committed
         )
-        committer = UnitCommitter(
-            location, setup.features, lineage, summary, UnitRejects(location), on_commit
-        )
-        run_units(recipe, spec, itertools.chain([first], todo), committer, progress)
+        schedule = UnitSchedule(planner, recipe, committed, summary)
+        todo = schedule.units()
+        first = next(todo, None)  # plans up to the first unit to run (all of it on a full resume)
+        if first is not None:
+            executor = executor or make_executor(recipe, spec)
+            committer = UnitCommitter(
+                location, setup.features, lineage, summary, UnitRejects(location), on_commit
+            )
+            run_units(executor, itertools.chain([first], todo), committer, progress, job_started_at)
+    except Exception:
+        lineage.settle_after_failure()
+        raise
+    finally:
+        if executor is not None:
+            executor.close()
+    lineage.get()  # nothing committed (every record rejected): the store still gets its lineage
+    summary.fingerprint_seconds = lineage.hash_seconds
+    summary.lineage_wait_seconds = lineage.wait_seconds
     _log_outcome(summary, schedule)
     finish(location, schedule, summary)
 
 
-def open_store(setup: ExtractionSetup, location: StoreLocation) -> Lineage:
-    """Create the store, or check that an existing one was extracted the same way; the lineage
-    to commit with."""
-    lineage = build_lineage(
-        setup.recipe,
-        setup.target_dir,
-        setup.tokenizer_dir,
-        setup.tokenizer,
-        setup.aux_layer_ids,
-        data_fingerprint(setup.recipe),
-        generation=setup.generation_lineage or None,
-    )
-    lineage = reconcile_lineage(location, lineage)
-    ensure_store(location, features=setup.features, lineage=lineage)
-    return lineage
+def open_lineage(setup: ExtractionSetup, location: StoreLocation) -> PendingLineage:
+    """The store's lineage, its slow parts (the weight hashes, the data fingerprint) computed in
+    the background; an existing store is checked at once on every other field."""
+    recipe = setup.recipe
+
+    def build(weights_sha256: dict[str, str], data_sha256: str) -> Lineage:
+        return build_lineage(
+            recipe,
+            setup.target_dir,
+            setup.tokenizer_dir,
+            setup.tokenizer,
+            setup.aux_layer_ids,
+            data_sha256,
+            generation=setup.generation_lineage or None,
+            weights_sha256=weights_sha256,
+        )
+
+    weight_files(setup.target_dir)  # no weights at all: said now, not after the workers start
+
+    def fingerprints() -> tuple[dict[str, str], str]:
+        return weight_file_hashes(setup.target_dir), data_fingerprint(recipe)
+
+    return PendingLineage(location, setup.features, build, fingerprints)
 
 
 def pad_token_id(tokenizer: SampleTokenizer) -> int:

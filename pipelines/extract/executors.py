@@ -37,13 +37,32 @@ class LocalExecutor:
     """Runs the worker in this process, one unit after another.
 
     ``worker_class`` builds the worker from ``spec`` (default: extraction's); any class with
-    ``run_unit(unit, on_batch)`` and ``close()`` fits (``hsstore generate`` passes its own).
+    ``run_unit(unit, on_batch)`` and ``close()`` fits (``hsstore generate`` passes its own). The
+    worker is built on a thread of its own, so that the driver plans while the model loads (the
+    fast start); :meth:`wait_ready` (and :meth:`run`) wait for it and raise what building it
+    raised.
     """
 
     def __init__(
         self, spec: Any, worker: Any | None = None, worker_class: Callable[[Any], Any] = ExtractionWorker
     ):
-        self.worker = worker if worker is not None else worker_class(spec)
+        from concurrent.futures import Future, ThreadPoolExecutor
+
+        if worker is not None:
+            self._worker: Future[Any] = Future()
+            self._worker.set_result(worker)
+        else:
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="load-worker")
+            self._worker = pool.submit(worker_class, spec)
+            pool.shutdown(wait=False)  # returns now; the pool's thread ends once the worker is built
+
+    @property
+    def worker(self) -> Any:
+        return self._worker.result()
+
+    def wait_ready(self) -> list[Any]:
+        """The worker's start-up report (``[None]`` for workers that keep none), once it is built."""
+        return [getattr(self.worker, "startup", None)]
 
     def run(
         self,
@@ -58,6 +77,7 @@ class LocalExecutor:
         hsstore error naming its shard)."""
         from concurrent.futures import ThreadPoolExecutor
 
+        self.wait_ready()
         in_flight: deque[Any] = deque()
         with ThreadPoolExecutor(max_workers=UNITS_IN_FLIGHT, thread_name_prefix="unit") as pool:
             try:
@@ -72,7 +92,8 @@ class LocalExecutor:
                     future.cancel()
 
     def close(self) -> None:
-        self.worker.close()
+        if self._worker.exception() is None:  # waits for a worker still being built
+            self.worker.close()
 
 
 class _WorkerActor:
@@ -91,6 +112,10 @@ class _WorkerActor:
         import os
 
         return os.getpid()
+
+    def startup(self) -> Any:
+        """The worker's start-up report (``WorkerStartup``), None for workers that keep none."""
+        return getattr(self.worker, "startup", None)
 
 
 class RayExecutor:
@@ -152,11 +177,29 @@ class RayExecutor:
             # Two threads: a unit finishing its shard overlaps the next unit's forwards.
             max_concurrency=UNITS_IN_FLIGHT,
         )
+        # Created without waiting: each actor loads the model in its own process while the driver
+        # plans (the fast start); wait_ready() waits for them.
         self.actors = [actor_class.remote(spec, worker_class) for _ in range(num_workers)]
-        # Waits for the actors to start (model loaded); the pids name the processes in logs
-        # (and the tests SIGKILL one to check that its units are retried).
-        self.pids: list[int] = ray.get([actor.pid.remote() for actor in self.actors])
-        logger.info("started %d %s actors (%s GPU each)", num_workers, job, num_gpus)
+        self.pids: list[int] = []  # set by wait_ready
+        self._startups: list[Any] | None = None
+        self._description = f"{num_workers} {job} actors ({num_gpus} GPU each)"
+
+    def wait_ready(self) -> list[Any]:
+        """Wait for every actor to be built (model loaded, warmed up); their start-up reports.
+
+        The pids name the processes in logs (and the tests SIGKILL one to check that its units
+        are retried). An actor whose constructor raised raises here, as the constructor's error."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        if self._startups is None:
+            try:
+                self.pids = ray.get([actor.pid.remote() for actor in self.actors])
+            except RayActorError as err:  # its constructor raised: the message carries the error
+                raise ExtractionError(f"a worker actor failed to start: {err}") from err
+            self._startups = ray.get([actor.startup.remote() for actor in self.actors])
+            logger.info("started %s", self._description)
+        return self._startups
 
     def run(
         self,
@@ -169,6 +212,7 @@ class RayExecutor:
         import ray
         from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
+        self.wait_ready()
         pending = iter(units)  # pulled as actors free up: the driver plans in a stream
         in_flight: dict[Any, tuple[Any, Any]] = {}
         resent: Counter[int] = Counter()  # units sent again after ActorUnavailableError

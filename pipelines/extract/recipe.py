@@ -35,6 +35,12 @@ class ModelSection(RecipeModel):
         description="run model code shipped with the checkpoint (off: it executes arbitrary code)",
     )
     revision: str | None = Field(None, description="hub revision, for hub ids only")
+    compile: bool | Literal["auto"] = Field(
+        "auto",
+        description="torch.compile each decoder layer's forward, one dynamic-shape graph for every "
+        "layer and batch (pipelines/extract/compiled_layers.py). auto: on CUDA, not on a CPU; not "
+        "part of the lineage (compiled and eager features agree within bf16 rounding)",
+    )
 
 
 class TokenizerSection(RecipeModel):

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pipelines.extract.units import WorkerStartup
 
 
 @dataclass
@@ -63,6 +67,30 @@ class ExtractionSummary:
     # the last forward's end on a GPU to the end (what a bare forward of these batches never pays).
     gpu_head_seconds: float = 0.0
     gpu_tail_seconds: float = 0.0
+    # The start (docs/extraction.md, "Compiled forwards and a fast start"), from the job's start:
+    # every worker ready (model loaded, warmed up, compiled) and the first unit's first forward
+    # (on the GPU where known). The slowest worker's model load and warm-up (its compile
+    # included); whether the layers were compiled, and into how many graphs. The target's weights
+    # and the data hashed for the lineage on a daemon thread meanwhile, and what the first commit
+    # (a resume: the planning) waited for them.
+    workers_ready_seconds: float = 0.0
+    first_forward_seconds: float = 0.0
+    model_load_seconds: float = 0.0
+    warmup_seconds: float = 0.0
+    compiled: bool = False
+    compiled_graphs: int = 0
+    fingerprint_seconds: float = 0.0
+    lineage_wait_seconds: float = 0.0
+
+    def record_startup(self, startups: Sequence[WorkerStartup], job_started_at: float) -> None:
+        """The workers' start-up reports (executor.wait_ready)."""
+        if not startups:
+            return
+        self.workers_ready_seconds = max(0.0, max(s.ready_at for s in startups) - job_started_at)
+        self.model_load_seconds = max(s.load_seconds for s in startups)
+        self.warmup_seconds = max(s.warmup_seconds for s in startups)
+        self.compiled = all(s.compiled for s in startups)
+        self.compiled_graphs = max(s.compiled_graphs for s in startups)
 
     @property
     def num_rejected(self) -> int:
@@ -149,6 +177,14 @@ class ExtractionSummary:
             f"(first unit after {self.head_seconds:.1f} s, last shard done {self.tail_seconds:.1f} s "
             "after its forwards)",
         ]
+        if self.workers_ready_seconds:
+            compiled = f", compiled into {self.compiled_graphs} graph(s)" if self.compiled else ", eager"
+            lines.append(
+                f"start            workers ready after {self.workers_ready_seconds:.1f} s (model loaded in "
+                f"{self.model_load_seconds:.1f} s, warm-up {self.warmup_seconds:.1f} s{compiled}); first forward "
+                f"after {self.first_forward_seconds:.1f} s; lineage hashed in {self.fingerprint_seconds:.1f} s "
+                f"beside it (waited {self.lineage_wait_seconds:.1f} s)"
+            )
         if len(self.units_by_node) > 1:
             counts = ", ".join(f"{node[:8]} {n}" for node, n in sorted(self.units_by_node.items()))
             lines.append(f"ray nodes        {len(self.units_by_node)} ran units (units per node id: {counts})")

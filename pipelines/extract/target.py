@@ -102,3 +102,21 @@ def load_split_target(spec: WorkerSpec) -> tuple[torch.nn.Module, SplitPlacement
         "split the target over %d GPUs: layers on %s", spec.num_gpus, placement.layer_devices
     )
     return model, placement
+
+
+def load_worker_target(
+    spec: WorkerSpec, device: torch.device
+) -> tuple[torch.nn.Module, torch.device, torch.device]:
+    """A worker's target: on ``device``, or split over the worker's ``spec.num_gpus`` GPUs.
+    Returns the model, where token ids go and where features come from."""
+    if spec.num_gpus > 1:
+        model, placement = load_split_target(spec)
+        return model, placement.input_device, placement.output_device
+    model = load_target(
+        spec.target,
+        dtype=spec.dtype,
+        device=device,
+        attn_implementation=spec.attn_implementation,
+        trust_remote_code=spec.trust_remote_code,
+    )
+    return model, device, device

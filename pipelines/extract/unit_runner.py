@@ -13,8 +13,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hsstore import FeatureSpec, Lineage, commit_shards
+from hsstore import FeatureSpec, commit_shards
 from hsstore.storage import StoreLocation
+from pipelines.extract.lineage import PendingLineage
 from pipelines.extract.recipe import ExtractRecipe
 from pipelines.extract.rejects import UnitRejects
 from pipelines.extract.summary import ExtractionSummary
@@ -36,17 +37,23 @@ def make_executor(recipe: ExtractRecipe, spec: WorkerSpec) -> Any:
 
 
 def run_units(
-    recipe: ExtractRecipe,
-    spec: WorkerSpec,
+    executor: Any,
     todo: Iterator[WorkUnit],
     committer: UnitCommitter,
     progress: bool,
+    job_started_at: float,
 ) -> None:
-    """Run ``todo`` on the recipe's executor, committing each unit as it finishes."""
+    """Run ``todo`` on ``executor`` (make_executor's, started already: its workers may still be
+    loading the model), committing each unit as it finishes. The caller closes the executor.
+
+    ``extract_seconds`` counts from the workers being ready (models loaded and warmed up) to the
+    last commit, as before the workers started in the background; the start-up is in its own
+    fields (``workers_ready_seconds``, ``first_forward_seconds`` from ``job_started_at``)."""
     from tqdm.auto import tqdm
 
-    executor = make_executor(recipe, spec)
     summary = committer.summary
+    startups = [s for s in executor.wait_ready() if s is not None]
+    summary.record_startup(startups, job_started_at)
     summary.num_workers = len(getattr(executor, "actors", ())) or 1
     committer.executor = executor
     committer.bar = tqdm(
@@ -64,9 +71,8 @@ def run_units(
     finally:
         summary.extract_seconds = time.perf_counter() - start
         summary.units_by_node = dict(getattr(executor, "units_by_node", {}))
-        committer.marks.fill(summary, started_at, time.time())
+        committer.marks.fill(summary, started_at, time.time(), job_started_at)
         committer.bar.close()
-        executor.close()
 
 
 class UnitCommitter:
@@ -76,14 +82,14 @@ class UnitCommitter:
         self,
         location: StoreLocation,
         features: Sequence[FeatureSpec],
-        lineage: Lineage,
+        lineage: PendingLineage,
         summary: ExtractionSummary,
         unit_rejects: UnitRejects,
         on_commit: CommitHook | None = None,
     ):
         self.location = location
         self.features = list(features)
-        self.lineage = lineage
+        self.lineage = lineage  # complete at the first commit (its hashes run in the background)
         self.summary = summary
         self.unit_rejects = unit_rejects
         self.on_commit = on_commit
@@ -108,7 +114,8 @@ class UnitCommitter:
     def on_result(self, result: UnitResult) -> None:
         # Saved before the commit: a committed unit always has its rejections on disk.
         self.unit_rejects.save(result, self.in_flight.pop(result.unit_index))
-        commit_shards(self.location, [result.record], features=self.features, lineage=self.lineage)
+        lineage = self.lineage.get()  # the first commit waits for the hashes and creates the store
+        commit_shards(self.location, [result.record], features=self.features, lineage=lineage)
         self.units_done += 1
         self._count(result)
         already_shown = min(self.shown_uncommitted, result.num_tokens)
@@ -153,9 +160,13 @@ class TimelineMarks:
             self.gpu_first_forward = min(self.gpu_first_forward, result.gpu_started_at)
             self.gpu_last_forward = max(self.gpu_last_forward, result.gpu_ended_at)
 
-    def fill(self, summary: ExtractionSummary, started_at: float, ended_at: float) -> None:
+    def fill(
+        self, summary: ExtractionSummary, started_at: float, ended_at: float, job_started_at: float
+    ) -> None:
         if not self.last_forward:  # no unit ran
             return
+        first_forward = self.gpu_first_forward if self.gpu_last_forward else self.first_forward
+        summary.first_forward_seconds = max(0.0, first_forward - job_started_at)
         summary.head_seconds = max(0.0, self.first_forward - started_at)
         summary.tail_seconds = max(0.0, ended_at - self.last_forward)
         if self.last_landed:

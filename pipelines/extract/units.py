@@ -104,6 +104,17 @@ class UnitResult:
     gpu_ended_at: float = 0.0
 
 
+@dataclass(frozen=True)
+class WorkerStartup:
+    """What a worker's start cost, reported once it is ready (the run summary's start-up line)."""
+
+    load_seconds: float  # loading the target (0.0: a model handed in)
+    warmup_seconds: float  # the warm-up batch, the first compile included when compiled
+    compiled: bool  # model.compile resolved (and kept: an ``auto`` compile that failed runs eager)
+    compiled_graphs: int = 0  # graphs the warm-up compiled (1: one graph serves every batch)
+    ready_at: float = 0.0  # wall clock (time.time()) when the worker was ready for units
+
+
 # -- cutting samples into units ------------------------------------------------------------------
 #
 # Samples are gathered into windows of about ``units.sort_window_tokens`` accepted tokens; each

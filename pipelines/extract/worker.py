@@ -28,6 +28,12 @@ from hsstore import ShardWriter
 from hsstore.errors import HsstoreError
 from pipelines.extract.batching import Batch, collate, plan_batches
 from pipelines.extract.capture import HiddenStateCapture, resolve_pass_attention_mask
+from pipelines.extract.compiled_layers import (
+    CompiledDecoderLayers,
+    compile_warm_up,
+    is_compile_error,
+    resolve_compile,
+)
 from pipelines.extract.errors import ExtractionError
 from pipelines.extract.gpu_timing import GpuClock, GpuTimeline
 from pipelines.extract.isolation import (
@@ -40,8 +46,8 @@ from pipelines.extract.isolation import (
 )
 from pipelines.extract.profiling import BATCH, SUBMIT, UNIT_FLUSH, UNIT_SETUP, FirstBatchesProfiler
 from pipelines.extract.sink import HostBufferPool, ShardSink
-from pipelines.extract.target import load_split_target, load_target, resolve_device
-from pipelines.extract.units import UnitResult, WorkUnit
+from pipelines.extract.target import load_worker_target, resolve_device
+from pipelines.extract.units import UnitResult, WorkerStartup, WorkUnit
 from pipelines.extract.warm_up import copy_through_host_buffers, warm_shape, write_throwaway_shard
 from pipelines.extract.worker_spec import WorkerSpec
 
@@ -59,20 +65,11 @@ class ExtractionWorker:
         self.spec = spec
         self.device = resolve_device(spec.device)  # where features are gathered and copied from
         self.input_device = self.device  # where token ids go (the embeddings' device)
-        if model is None and spec.num_gpus > 1:
-            model, placement = load_split_target(spec)
-            self.input_device, self.device = placement.input_device, placement.output_device
-        self.model = (
-            model
-            if model is not None
-            else load_target(
-                spec.target,
-                dtype=spec.dtype,
-                device=self.device,
-                attn_implementation=spec.attn_implementation,
-                trust_remote_code=spec.trust_remote_code,
-            )
-        )
+        load_start, load_seconds = time.perf_counter(), 0.0
+        if model is None:
+            model, self.input_device, self.device = load_worker_target(spec, self.device)
+            load_seconds = time.perf_counter() - load_start
+        self.model = model
         # Every forward (the warm-up's included) runs on this one thread: _on_compute_thread.
         self._compute_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forwards")
         self._last_forward_end: torch.cuda.Event | None = None  # the previous unit's, on a GPU
@@ -99,16 +96,41 @@ class ExtractionWorker:
                 getattr(getattr(self.model, "config", None), "model_type", None),
             ),
         )
-        self.warmup_seconds = (
-            self._on_compute_thread(self.warm_up) if self.device.type == "cuda" else 0.0
+        # Compiled (model.compile) before the warm-up, so that the warm-up pays for the compile.
+        self.compiled = (
+            CompiledDecoderLayers(self.capture.parts.layers)
+            if resolve_compile(spec.compile, self.device)
+            else None
         )
+        self.warmup_seconds = self._start()
+        graphs = self.compiled.num_graphs if self.compiled else 0
+        self.startup = WorkerStartup(load_seconds, self.warmup_seconds, self.compiled is not None, graphs, time.time())
+
+    def _start(self) -> float:
+        """The warm-up, on a GPU or with compiled layers; an ``auto`` compile that fails runs eager."""
+        if self.device.type != "cuda" and self.compiled is None:
+            return 0.0
+        try:
+            return self._on_compute_thread(self.warm_up)
+        except ExtractionError as err:
+            if self.compiled is None or self.spec.compile != "auto" or not is_compile_error(err):
+                raise
+            logger.warning("model.compile: auto: %s; running the layers eager", err)
+            self.compiled.restore()
+            self.compiled = None
+            return self._on_compute_thread(self.warm_up)
 
     def warm_up(self) -> float:
         """One batch of the largest shape (:func:`warm_up.warm_shape`) through capture, GPU encode,
-        copy and a throwaway shard, before any unit (warm_up.py says why). Returns its seconds."""
+        copy and a throwaway shard, before any unit (warm_up.py says why); with compiled layers,
+        the forwards that compile every graph the units will use. Returns its seconds."""
         rows, length = warm_shape(self.spec)
         start = time.perf_counter()
         try:
+            if self.compiled is not None:
+                compile_warm_up(
+                    self._pad_forward, rows, length, self.spec.pad_to_multiple_of, self.capture.pass_attention_mask
+                )
             features = self._pad_forward(rows, length)
             copy_through_host_buffers(
                 features, self.spec.features, self.host_buffers, rows * length, self.device
@@ -120,6 +142,11 @@ class ExtractionWorker:
         except ExtractionError:
             raise
         except Exception as err:
+            if self.compiled is not None and is_compile_error(err):
+                raise ExtractionError(
+                    f"model.compile: compiling the decoder layers failed ({describe(err)}); "
+                    "set model.compile: false to run them eager"
+                ) from err
             if is_out_of_memory(err):
                 raise ExtractionError(
                     f"the warm-up batch ({rows} x {length} tokens, batching.token_budget="
@@ -317,13 +344,17 @@ class ExtractionWorker:
             _to_device(valid_index_N, self.device),
         )
 
-    def _pad_forward(self, rows: int, length: int) -> dict[str, torch.Tensor]:
-        """A forward over a ``rows x length`` batch of pad tokens (the warm-up; a probe)."""
+    def _pad_forward(self, rows: int, length: int, mask_last_token: bool = False) -> dict[str, torch.Tensor]:
+        """A forward over a ``rows x length`` batch of pad tokens (the warm-up; a probe);
+        ``mask_last_token``: the last row a token short (transformers drops an all-ones mask)."""
         ids_BT = np.full((rows, length), self.spec.pad_token_id, dtype=np.int64)
+        mask_BT = np.ones_like(ids_BT)
+        if mask_last_token:
+            mask_BT[-1, -1] = 0
         return self.capture(
             _to_device(ids_BT, self.input_device),
-            _to_device(np.ones_like(ids_BT), self.input_device),
-            _to_device(np.arange(ids_BT.size), self.device),
+            _to_device(mask_BT, self.input_device),
+            _to_device(np.flatnonzero(mask_BT.reshape(-1)), self.device),
         )
 
     def _isolate(
@@ -345,6 +376,8 @@ class ExtractionWorker:
     def close(self) -> None:
         self._compute_thread.shutdown(wait=True)
         self.capture.close()
+        if self.compiled is not None:  # a model handed in goes back as it came
+            self.compiled.restore()
 
 
 @dataclass

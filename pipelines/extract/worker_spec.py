@@ -26,6 +26,10 @@ class WorkerSpec:
     device: str = "auto"
     attn_implementation: str | None = "sdpa"
     trust_remote_code: bool = False
+    # model.compile (compiled_layers.resolve_compile). The recipe's default is "auto"; a spec built
+    # by hand (benchmarks and tests that share the model with a bare forward) runs eager unless it
+    # asks.
+    compile: bool | str = False
     token_budget: int = 16384
     max_batch_size: int | None = None
     # The longest sample (batching.max_length): sets the shape of the start-up warm-up batch.
@@ -68,6 +72,7 @@ class WorkerSpec:
             device=recipe.model.device,
             attn_implementation=recipe.model.attn_implementation,
             trust_remote_code=recipe.model.trust_remote_code,
+            compile=recipe.model.compile,
             token_budget=recipe.batching.token_budget,
             max_batch_size=recipe.batching.max_batch_size,
             max_length=recipe.batching.max_length,

@@ -75,6 +75,42 @@ def test_tiny_cpu_sequence_compares_each_run_with_the_bare_passes_beside_it(tmp_
     assert not (tmp_path / "work" / "stores").exists()  # each run's store deleted after it
 
 
+@pytest.mark.slow
+def test_tiny_cpu_gpu_limit_run_writes_the_extract_keys(tmp_path: Path) -> None:
+    """Issue 31's mode: bare, eager and compiled (inductor's C++ kernels: minutes on 2 cores)
+    extraction, compiled vs eager on the same batches; report --write keeps the train section."""
+    out = tmp_path / "out"
+    command = [
+        sys.executable, "-m", "benchmarks.bench_extract", "gpu-limit", "run", "--shape", "small", "--device", "cpu",
+        "--executor", "local", "--tokens", "800", "--min-length", "64", "--max-length", "200", "--max-length-cap", "256",
+        "--token-budget", "512", "--unit-tokens", "1024", "--planning-workers", "1", "--out", str(out),
+        "--work", str(tmp_path / "work"),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    measured = json.loads((out / "gpu-limit-extract.json").read_text())
+    extract, runs = measured["extract"], measured["details"]["runs"]
+    assert set(extract) == {"bare_hf_tokens_per_s", "eager_tokens_per_s", "compiled_tokens_per_s", "max_feature_rel_err",
+                            "job_wall_seconds_1m_tokens", "first_forward_seconds", "model_load_seconds"}
+    assert all(value is not None and value > 0 for value in extract.values()), extract
+    assert extract["max_feature_rel_err"] < 4e-2  # bf16 rounding, not another computation
+    assert runs["bf16-1"]["compiled"] is False and runs["bf16-1-compiled"]["compiled"] is True
+    assert runs["bf16-1-compiled"]["compiled_graphs"] == 1
+    assert extract["first_forward_seconds"] <= extract["job_wall_seconds_1m_tokens"]
+    assert not (tmp_path / "work" / "stores").exists()  # both stores deleted
+
+    results = tmp_path / "gpu-limit-h200.json"
+    results.write_text(json.dumps({"train": {"all_scored_bf16_tokens_per_s": 1.0}}))
+    report = [sys.executable, "-m", "benchmarks.bench_extract", "gpu-limit", "report", str(out / "gpu-limit-extract.json"),
+              "--write", "--results", str(results)]
+    done = subprocess.run(report, cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| compiled / bare HF forward |" in done.stdout
+    merged = json.loads(results.read_text())
+    assert merged["extract"] == extract and merged["train"] == {"all_scored_bf16_tokens_per_s": 1.0}
+
+
 # -- the trace mode, on a small GPU-shaped trace: the device's first kernel, its idle gaps with the
 # host ranges at that time, and the longest host calls before the first kernel.
 

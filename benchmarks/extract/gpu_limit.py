@@ -1,0 +1,201 @@
+"""Issue 31's extraction aims on one GPU: the bare Hugging Face forward, ``hsstore extract`` eager
+and compiled (Ray, one actor, bf16), the compiled features against eager ones on the same batches,
+and the start of a ~1M-token job. Writes the ``extract`` section of
+``benchmarks/results/gpu-limit-h200.json`` (``report --write`` merges it in, leaving ``train``).
+
+Steps, each in its own process so that every GPU step starts from a clean device (through_ray.py's
+steps, reused): ``prepare`` (the Qwen3-8B shape with random bf16 weights saved as a model
+directory, a word-level tokenizer, ``--tokens`` of 1,024-2,048-token text records); ``bare``
+(``model.model(input_ids)``, no mask, over exactly the batches the extraction plans); the run
+``bf16-1`` (``model.compile: false``); the run ``bf16-1-compiled`` (``model.compile: true``: its
+warm-up pays the first compile, with an inductor cache as cold as the machine's); ``compare`` (the
+compiled store's first unit against the eager capture code on the same batches, in process).
+
+Tokens/s of a run are its real tokens over its extracting time (the summary's ``extract_seconds``:
+from the workers ready, models loaded, warmed up and compiled, to the last commit): the steady
+state. The start is reported apart: ``model_load_seconds``, the warm-up (the compile), the first
+forward from the job's start, and the job's wall time (``run_extraction``'s, from the same start;
+the process's, Python's imports and Ray's shutdown included, is beside it). Each run gets a fresh
+``HSSTORE_CACHE_DIR``, so its lineage hashes the 16 GB of weights afresh (no digest remembered
+from an earlier run) and the fast start is measured with the whole hash beside it; the page cache
+does hold the weights (``prepare`` just wrote them), for the hash and the model load alike.
+
+    # one H200, from the repository root, after `bash .gpu/setup.sh` (~6-7 min):
+    PYTHONPATH=/tmp/site:$PWD python3 -m benchmarks.bench_extract gpu-limit run --out $OUT
+    # here, with the folder that came back:
+    python -m benchmarks.bench_extract gpu-limit report OUT/gpu-limit-extract.json --write
+    # CPU smoke (tiny model, in process, inductor's C++ kernels: a few minutes):
+    python -m benchmarks.bench_extract gpu-limit run --shape small --device cpu --executor local \\
+        --tokens 1500 --min-length 64 --max-length 200 --max-length-cap 256 --token-budget 512 \\
+        --unit-tokens 1024 --out /tmp/out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import REPO_ROOT
+from benchmarks.extract import through_ray
+from benchmarks.extract.through_ray import log, store_path
+
+RESULTS = REPO_ROOT / "benchmarks" / "results" / "gpu-limit-h200.json"
+OUT_NAME = "gpu-limit-extract.json"
+EAGER, COMPILED = "bf16-1", "bf16-1-compiled"
+# What each extraction run reports beside its tokens/s (the summary's start-up fields).
+START_FIELDS = ("wall_seconds", "process_seconds", "extract_seconds", "workers_ready_seconds", "first_forward_seconds",
+                "model_load_seconds", "warmup_seconds", "compiled", "compiled_graphs", "fingerprint_seconds",
+                "lineage_wait_seconds", "head_seconds", "tail_seconds", "gpu_forward_seconds", "padding_waste",
+                "num_tokens_written")
+
+
+def run(args: argparse.Namespace) -> None:
+    """prepare, bare, eager, compiled, compare; the JSON is rewritten after each step."""
+    out, work = Path(args.out), Path(args.work)
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    state: dict[str, Any] = {"machine": through_ray.machine_facts(args), "bare": None, "runs": {}, "compared": None}
+    through_ray.step(args, "prepare", "--tokens", str(args.tokens), "--min-length", str(args.min_length),
+                     "--max-length", str(args.max_length))
+    gpus = 1 if args.device == "cuda" else 0
+
+    def attempt(name: str, action: Any) -> None:
+        if time.time() - started > args.deadline_s:
+            log(f"skipped {name}: past --deadline-s {args.deadline_s}")
+            return
+        try:
+            action()
+        except (SystemExit, Exception) as err:  # noqa: BLE001 - one failed step must not lose the others
+            log(f"{name} failed: {err}")
+        write(out / OUT_NAME, state, args, started)
+
+    def extraction(name: str) -> None:
+        with tempfile.TemporaryDirectory(prefix="hsstore-hash-cache-") as cache:  # the hash from scratch
+            env = {**os.environ, "HSSTORE_CACHE_DIR": cache}
+            state["runs"][name] = through_ray.extract(args, name, env=env, codec="bf16", workers=1, gpus_per_worker=gpus,
+                                                      limit=None)
+
+    attempt("bare", lambda: state.update(bare=through_ray.step(args, "bare")))
+    attempt(EAGER, lambda: extraction(EAGER))
+    shutil.rmtree(store_path(args, EAGER), ignore_errors=True)  # an 8B bf16 store of 1M tokens is 33 GB
+    attempt(COMPILED, lambda: extraction(COMPILED))
+    if COMPILED in state["runs"]:
+        attempt("compare", lambda: state.update(compared=through_ray.step(args, "compare", mode="gpu-limit")))
+    shutil.rmtree(work / "stores", ignore_errors=True)
+    results = write(out / OUT_NAME, state, args, started)
+    print(json.dumps(results["extract"], indent=2))
+
+
+def compare(args: argparse.Namespace) -> None:
+    """The compiled store against the eager capture code on its first unit's batches."""
+    worst, compared = through_ray.same_batches_error(args, COMPILED, None)
+    log(f"compiled vs eager, same batches: max relative error {worst:.2e} over {compared} samples")
+    print(json.dumps({"max_feature_rel_err": worst, "samples_compared": compared}))
+
+
+def write(path: Path, state: dict[str, Any], args: argparse.Namespace, started: float) -> dict[str, Any]:
+    """The issue's ``extract`` keys from what ran so far (None for a step that did not), and the
+    runs' details beside them."""
+    eager, compiled = state["runs"].get(EAGER), state["runs"].get(COMPILED)
+    bare = state["bare"] or {}
+    head = compiled or eager or {}  # the start of the default configuration: compiled on CUDA
+
+    def tps(run: dict[str, Any] | None) -> float | None:
+        return run["tokens_per_second"] if run else None
+
+    extract = {
+        "bare_hf_tokens_per_s": bare.get("bare_tokens_per_s"),
+        "eager_tokens_per_s": tps(eager),
+        "compiled_tokens_per_s": tps(compiled),
+        "max_feature_rel_err": (state["compared"] or {}).get("max_feature_rel_err"),
+        "job_wall_seconds_1m_tokens": head.get("wall_seconds"),
+        "first_forward_seconds": head.get("first_forward_seconds"),
+        "model_load_seconds": head.get("model_load_seconds"),
+    }
+    results = {
+        "extract": extract,
+        "details": {
+            "num_tokens": head.get("num_tokens_written") or bare.get("num_tokens"),
+            "compiled_vs_bare": ratio(tps(compiled), bare.get("bare_tokens_per_s")),
+            "eager_vs_bare": ratio(tps(eager), bare.get("bare_tokens_per_s")),
+            "compiled_vs_eager": ratio(tps(compiled), tps(eager)),
+            "job_wall_vs_extracting": ratio(head.get("wall_seconds"), head.get("extract_seconds")),
+            "samples_compared": (state["compared"] or {}).get("samples_compared"),
+            "runs": {name: {k: run.get(k) for k in ("tokens_per_second", *START_FIELDS)} for name, run in state["runs"].items()},
+            "bare": state["bare"],
+            "note": "tokens/s: real tokens over the extracting time (workers ready to the last commit); the start "
+            "(model load, warm-up with the first compile, first forward from the job's start) apart. job wall: "
+            "run_extraction's wall time, the same origin as first_forward_seconds (process_seconds adds Python's "
+            "imports and Ray's shutdown). max_feature_rel_err: the compiled store vs the eager capture code on the "
+            "same batches (largest per-token relative L2 error, aux and final states). Each run hashed the weights "
+            "afresh (its own HSSTORE_CACHE_DIR); the weights were in the page cache.",
+        },
+        "settings": {k: v for k, v in vars(args).items() if k not in ("func", "out", "work", "command")},
+        "machine": state["machine"],
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
+        "wall_seconds": time.time() - started,
+    }
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator and denominator else None
+
+
+def report(args: argparse.Namespace) -> None:
+    """Print the aims beside the measured figures; ``--write`` merges the run into RESULTS."""
+    measured = json.loads(Path(args.json).read_text())
+    extract, details = measured["extract"], measured["details"]
+    aims = [
+        ("compiled / bare HF forward", details.get("compiled_vs_bare"), ">= 1.10"),
+        ("eager / bare HF forward", details.get("eager_vs_bare"), ""),
+        ("max feature rel err, compiled vs eager", extract.get("max_feature_rel_err"), "bf16 rounding"),
+        ("first forward s (model load s)", extract.get("first_forward_seconds"),
+         f"<= load + 10 s (load {fmt(extract.get('model_load_seconds'))})"),
+        ("job wall / extracting", details.get("job_wall_vs_extracting"), "<= 1.4"),
+    ]
+    print("| what | measured | aim |\n|---|---:|---|")
+    for label, value, aim in aims:
+        print(f"| {label} | {fmt(value)} | {aim} |")
+    if args.write:
+        path = Path(args.results)
+        results = json.loads(path.read_text()) if path.exists() else {}
+        results["extract"] = extract  # the train section (issue 31's parts 3-4) is left as it is
+        results["extract_details"] = {**details, "machine": measured["machine"], "date": measured["date"],
+                                      "settings": measured["settings"]}
+        path.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote the extract section of {path}")
+
+
+def fmt(value: Any) -> str:
+    if value is None:
+        return "not run"
+    return f"{value:,.0f}" if isinstance(value, float) and value >= 100 else f"{value:.3g}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_extract gpu-limit", description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=["run", "compare", "report"])
+    parser.add_argument("json", nargs="?", help="report: the gpu-limit-extract.json a run wrote")
+    parser.add_argument("--write", action="store_true", help="report: merge the extract section into --results")
+    parser.add_argument("--results", default=str(RESULTS), help="report --write: the results file")
+    through_ray.add_workload_arguments(parser, work="/tmp/hsstore-work/gpu-limit", tokens=1_000_000, deadline_s=420)
+    parser.add_argument("--split-records", type=int, default=200, help=argparse.SUPPRESS)  # through_ray.step passes it
+    args = parser.parse_args(argv)
+    if args.command == "report" and not args.json:
+        parser.error("report needs the gpu-limit-extract.json a run wrote")
+    {"run": run, "compare": compare, "report": report}[args.command](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
