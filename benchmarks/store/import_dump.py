@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--files", type=int, default=10_000)
     parser.add_argument("--records", type=int, default=60, help="records extracted (samples repeated over the files)")
     parser.add_argument("--max-length", type=int, default=512)
-    parser.add_argument("--read-threads", type=int, default=4)
+    parser.add_argument("--read-threads", type=int, default=4, help="threads of the disk's read-speed measure")
+    parser.add_argument("--threads", type=int, default=None, help="the import's threads (default: the cores)")
     parser.add_argument("--samples-per-shard", type=int, default=1024)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="import processes")
     parser.add_argument("--device", default="cpu", help="where the top-k projection runs")
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = import_features(
         dump, str(store_url), format="specforge", target=str(REFERENCE_TARGET), aux_layer_ids=[2, 4, 5],
         codec="fp8_e4m3", compression="zstd", teacher="topk", topk_k=20, device=args.device,
-        samples_per_shard=args.samples_per_shard, read_threads=args.read_threads,
+        samples_per_shard=args.samples_per_shard, threads=args.threads,
         workers=args.workers, progress=False,
     )
     store_bytes = sum(p.stat().st_size for p in store_url.rglob("*") if p.is_file())

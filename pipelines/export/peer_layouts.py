@@ -83,7 +83,12 @@ def read_specforge_sample(path: str | Path, num_aux_layers: int) -> dict[str, to
 
     ``weights_only=True``: a feature file is data and must not run code when it is read.
     """
-    raw = torch.load(path, map_location="cpu", weights_only=True)
+    return specforge_sample_from(torch.load(path, map_location="cpu", weights_only=True), num_aux_layers, path)
+
+
+def specforge_sample_from(raw: dict[str, Any], num_aux_layers: int, path: str | Path) -> dict[str, torch.Tensor]:
+    """:func:`read_specforge_sample` of a file already loaded (``raw``: what ``torch.load`` gave;
+    ``path`` for the messages), so a reader that checks the raw tensors first loads the file once."""
     missing = [key for key in SPECFORGE_KEYS if key not in raw]
     if missing:
         raise KeyError(f"{path}: a SpecForge sample file needs keys {list(SPECFORGE_KEYS)}, missing {missing}")

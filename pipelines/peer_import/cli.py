@@ -57,11 +57,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--device", default="cpu", help="where --teacher topk projects (cpu, cuda)")
     parser.add_argument("--samples-per-shard", type=int, default=1024, help="files per shard (the unit of resume)")
-    parser.add_argument("--read-threads", type=int, default=4, help="files read ahead per unit")
+    parser.add_argument(
+        "--threads", type=int, default=None,
+        help="files read, checked, projected and encoded at once (default: the cores)",
+    )
     parser.add_argument(
         "--workers", type=int, default=1,
-        help="units written at once, each in its own process (decoding, encoding and compression "
-        "are CPU work: about one per core)",
+        help="units written at once, each in its own process with its share of --threads",
     )
     parser.add_argument("--limit", type=int, default=None, help="import the first N files only")
     parser.add_argument("--no-progress", action="store_true")
@@ -82,7 +84,7 @@ def run_import(args: argparse.Namespace) -> int:
         args.source, args.store, format=args.format, target=args.target,
         aux_layer_ids=args.aux_layer_ids, final_state=args.final_state, **chosen,
         device=args.device, samples_per_shard=args.samples_per_shard,
-        read_threads=args.read_threads, workers=args.workers, limit=args.limit,
+        threads=args.threads, workers=args.workers, limit=args.limit,
         progress=not args.no_progress,
     )
     print(json.dumps(asdict(summary), indent=2))

@@ -9,7 +9,14 @@ checked against them (:mod:`pipelines.peer_import.sources`).
 Resumable: the files, in the order of the number in their names, are cut into units of
 ``samples_per_shard``; unit u becomes shard ``import-<u>`` and is committed on its own, and a
 rerun skips the units already committed (the same source, flags and store give the same units).
-Files are read by a few threads ahead of the writer; any codec the store supports can be chosen.
+Any codec the store supports can be chosen.
+
+Speed: each file is read, checked, projected (``teacher="topk"``) and encoded by one of
+``threads`` threads, ahead of the writer, which only appends the encoded bits (its own threads
+compress and hash them). Every step but ``torch.load``'s unpickling releases the GIL, so the
+threads fill the cores; each runs torch on one thread (one ``[T, H] x [H, V]`` matmul per file is
+too small to share out, and idle OpenMP threads spinning beside busy ones cost more than they
+gave: benchmarks/LOG.md, the import's profile).
 ``teacher="topk"`` keeps the target's top-k logits instead of the final state, computed here from
 the (post-norm) final state with the target's lm_head as extraction computes them; with fp8 aux
 states and zstd that is the compact preset (docs/compact-store.md): ``--preset compact``.
@@ -17,20 +24,23 @@ states and zstd that is the compact preset (docs/compact-store.md): ``--preset c
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 import hsstore
 from hsstore import FeatureSpec, Lineage
 from hsstore.aux_layers import AUX_HIDDEN_STATES, FINAL_HIDDEN_STATE, TOPK_IDS, TOPK_LOGITS
+from hsstore.format import codecs
 from pipelines.peer_import.sources import (
     Expectation,
     ImportSourceError,
@@ -114,14 +124,24 @@ class UnitJob:
     topk_k: int
     device: str
     store_url: str
-    read_threads: int
-    torch_threads: int | None = None  # in a worker process: its share of the cores
+    threads: int  # files prepared at once (in a worker process: its share)
 
 
 @dataclass
 class UnitResult:
     record: hsstore.ShardRecord
     num_samples: int
+    num_tokens: int
+    source_bytes: int
+
+
+@dataclass
+class EncodedFile:
+    """One file as :meth:`hsstore.ShardWriter.add_encoded_samples` takes it: its table row and its
+    features encoded (the stored arrays, fp8 scales included)."""
+
+    row: tuple[str, str, np.ndarray, np.ndarray]  # sample_id, source_id, input_ids [T], loss_mask [T]
+    arrays: dict[str, np.ndarray]
     num_tokens: int
     source_bytes: int
 
@@ -140,14 +160,15 @@ def import_features(
     topk_k: int = 20,
     device: str = "cpu",
     samples_per_shard: int = 1024,
-    read_threads: int = 4,
+    threads: int | None = None,
     workers: int = 1,
     limit: int | None = None,
     progress: bool = True,
 ) -> ImportSummary:
     """Import the dump at ``source`` into ``store_url`` (created, or resumed); see the module doc.
-    ``workers`` > 1 writes that many units at once, each in its own process (decoding, encoding
-    and compression are CPU work); the units are committed as they finish."""
+    ``threads`` files are prepared at once (default: the cores, shared among the workers);
+    ``workers`` > 1 writes that many units at once, each in its own process with its share of the
+    threads; the units are committed as they finish."""
     start = time.perf_counter()
     source = Path(source)
     files = list_source_files(source, format)[:limit]
@@ -160,7 +181,7 @@ def import_features(
     job = UnitJob(
         source, format, target, final_state, expect,
         tuple(feature_specs(expect, codec, compression, teacher, topk_k)), teacher, topk_k, device,
-        store_url, read_threads, max(1, (os.cpu_count() or 1) // workers) if workers > 1 else None,
+        store_url, threads or max(1, (os.cpu_count() or 1) // max(workers, 1)),
     )
     _reader(job)(files[0], expect)  # refuse a wrong lineage before the store exists
     extra = {"from": format, "source": str(source.resolve()), "final_state": final_state or "post_norm"}
@@ -185,8 +206,9 @@ def import_features(
         bar.update(result.num_samples)
 
     if workers <= 1:
-        for shard_id, unit in todo:
-            committed(write_unit(job, shard_id, unit))
+        with _encoding_pool(job.threads) as pool:  # one pool for every unit: no drain between units
+            for shard_id, unit in todo:
+                committed(write_unit(job, shard_id, unit, pool))
     else:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -216,10 +238,34 @@ def _reader(job: UnitJob) -> Any:
     return _READERS[key]
 
 
-def write_unit(job: UnitJob, shard_id: str, unit: list[SourceFile]) -> UnitResult:
-    """Write ``unit`` as shard ``shard_id`` (finished, not committed: the caller commits)."""
-    if job.torch_threads is not None and torch.get_num_threads() != job.torch_threads:
-        torch.set_num_threads(job.torch_threads)  # N processes x all cores each would thrash
+def write_unit(
+    job: UnitJob, shard_id: str, unit: list[SourceFile], pool: ThreadPoolExecutor | None = None
+) -> UnitResult:
+    """Write ``unit`` as shard ``shard_id`` (finished, not committed: the caller commits). Its
+    files are prepared by ``pool`` (one of :func:`_encoding_pool`'s; without one, a pool for this
+    unit), in order, up to ``2 * job.threads`` ahead of the writer."""
+    if pool is None:
+        with _encoding_pool(job.threads) as own_pool:
+            return write_unit(job, shard_id, unit, own_pool)
+    encode = _file_encoder(job)  # built here, before the threads share it
+    writer = hsstore.ShardWriter(job.store_url, shard_id, list(job.features))
+    num_tokens = source_bytes = 0
+    try:
+        with contextlib.closing(_in_order(pool, encode, unit, ahead=2 * job.threads)) as encoded_files:
+            for encoded in encoded_files:
+                writer.add_encoded_samples([encoded.row], encoded.arrays)
+                num_tokens += encoded.num_tokens
+                source_bytes += encoded.source_bytes
+        record = writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    return UnitResult(record, len(unit), num_tokens, source_bytes)
+
+
+def _file_encoder(job: UnitJob) -> Callable[[SourceFile], EncodedFile]:
+    """The job's per-file work: read and check the file (the reader refuses what disagrees with
+    the lineage), project the final state to the target's top-k where asked, encode every feature."""
     reader = _reader(job)
     teacher_of = None
     if job.teacher == "topk":
@@ -227,29 +273,35 @@ def write_unit(job: UnitJob, shard_id: str, unit: list[SourceFile]) -> UnitResul
         if key not in _TEACHERS:
             _TEACHERS[key] = TopKTeacher(job.target, job.topk_k, job.device)
         teacher_of = _TEACHERS[key]
-    writer = hsstore.ShardWriter(job.store_url, shard_id, list(job.features))
-    num_tokens = source_bytes = 0
+
+    def encode(file: SourceFile) -> EncodedFile:
+        sample = reader(file, job.expect)
+        values = {AUX_HIDDEN_STATES: sample["aux_hidden_states"]}
+        if teacher_of is None:
+            values[FINAL_HIDDEN_STATE] = sample["final_hidden_state"]
+        else:
+            values[TOPK_LOGITS], values[TOPK_IDS] = teacher_of(sample["final_hidden_state"])
+        arrays: dict[str, np.ndarray] = {}
+        for spec in job.features:
+            arrays.update(codecs.encode(spec, values[spec.name]))
+        ids, mask = sample["input_ids"].numpy(), sample["loss_mask"].numpy()
+        row = (f"{job.format}:{file.relative_path}", file.relative_path, ids, mask)
+        return EncodedFile(row, arrays, len(ids), (job.source / file.relative_path).stat().st_size)
+
+    return encode
+
+
+@contextlib.contextmanager
+def _encoding_pool(threads: int) -> Iterator[ThreadPoolExecutor]:
+    """``threads`` threads for :func:`_file_encoder`'s work, torch on one thread each meanwhile
+    (torch's thread count is the process's: restored on the way out)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
-        with ThreadPoolExecutor(max(job.read_threads, 1), thread_name_prefix="hsstore-import") as pool:
-            samples = _read_ahead(pool, reader, unit, job.expect, job.read_threads)
-            for file, sample in zip(unit, samples, strict=True):
-                values = {AUX_HIDDEN_STATES: sample["aux_hidden_states"]}
-                if teacher_of is None:
-                    values[FINAL_HIDDEN_STATE] = sample["final_hidden_state"]
-                else:
-                    values[TOPK_LOGITS], values[TOPK_IDS] = teacher_of(sample["final_hidden_state"])
-                writer.add_sample(
-                    sample_id=f"{job.format}:{file.relative_path}", source_id=file.relative_path,
-                    input_ids=sample["input_ids"].numpy(), loss_mask=sample["loss_mask"].numpy(),
-                    features=values,
-                )
-                num_tokens += int(sample["input_ids"].shape[0])
-                source_bytes += (job.source / file.relative_path).stat().st_size
-        record = writer.finish()
-    except BaseException:
-        writer.abort()
-        raise
-    return UnitResult(record, len(unit), num_tokens, source_bytes)
+        with ThreadPoolExecutor(max(threads, 1), thread_name_prefix="hsstore-import") as pool:
+            yield pool
+    finally:
+        torch.set_num_threads(before)
 
 
 def feature_specs(
@@ -297,16 +349,22 @@ class TopKTeacher:
         return torch.cat(values), torch.cat(ids)
 
 
-def _read_ahead(pool: ThreadPoolExecutor, reader: Any, unit: list[SourceFile], expect: Expectation, depth: int) -> Iterator[dict[str, torch.Tensor]]:
-    """The unit's samples in order, up to ``2 * depth`` files read ahead by the pool's threads."""
-    pending = []
-    ahead = max(2 * depth, 1)
-    for file in unit:
-        pending.append(pool.submit(reader, file, expect))
-        if len(pending) > ahead:
+def _in_order(
+    pool: ThreadPoolExecutor, work: Callable[[SourceFile], EncodedFile], unit: list[SourceFile], ahead: int
+) -> Iterator[EncodedFile]:
+    """``work(file)`` for the unit's files, in order, up to ``ahead`` of them submitted at once.
+    On an error (or when the caller stops early) the files not started are cancelled."""
+    pending: list[Future[EncodedFile]] = []
+    try:
+        for file in unit:
+            pending.append(pool.submit(work, file))
+            if len(pending) > ahead:
+                yield pending.pop(0).result()
+        while pending:
             yield pending.pop(0).result()
-    for future in pending:
-        yield future.result()
+    finally:
+        for future in pending:
+            future.cancel()
 
 
 def _progress(total: int, enabled: bool) -> Any:

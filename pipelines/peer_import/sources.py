@@ -20,8 +20,8 @@ import torch
 from hsstore.errors import HsstoreError
 from pipelines.export.peer_layouts import (
     SPECULATORS_HIDDEN_DIR,
-    read_specforge_sample,
     read_speculators_sample,
+    specforge_sample_from,
 )
 
 SOURCE_FORMATS = ("specforge", "speculators")
@@ -109,7 +109,7 @@ def read_specforge(source: Path, file: SourceFile, expect: Expectation) -> dict[
                 f"{path}: aux_hidden_state's last axis is {aux.shape[-1]}, expected "
                 f"{expect.num_aux_layers} aux layers x hidden size {expect.hidden_size}"
             )
-        sample = read_specforge_sample(path, expect.num_aux_layers)
+        sample = specforge_sample_from(raw, expect.num_aux_layers, path)
     except (KeyError, ValueError, RuntimeError, OSError) as err:
         if isinstance(err, ImportSourceError):
             raise
