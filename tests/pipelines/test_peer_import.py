@@ -167,16 +167,31 @@ def test_the_compact_preset_keeps_the_targets_top_k_and_a_third_of_the_bytes(
         )
 
 
-def test_workers_write_units_in_processes_to_the_same_store(one_shard_store: str, tmp_path: Path) -> None:
+def test_threads_and_workers_write_the_same_store(one_shard_store: str, tmp_path: Path) -> None:
+    """One file at a time, files prepared by several threads (out of order, written in order), and
+    units written by worker processes: the same shards, byte for byte."""
     export_features(one_shard_store, tmp_path / "sf", "specforge", progress=False)
-    common = dict(format="specforge", target=str(REFERENCE_TARGET), aux_layer_ids=AUX, samples_per_shard=3, progress=False)
-    import_features(tmp_path / "sf", str(tmp_path / "one"), **common)
-    summary = import_features(tmp_path / "sf", str(tmp_path / "two"), workers=2, **common)
-    one, two = hsstore.open_store(str(tmp_path / "one")), hsstore.open_store(str(tmp_path / "two"))
-    assert summary.num_units > 2 and [s.shard_id for s in one.shards] == [s.shard_id for s in two.shards]
-    for index in range(one.num_samples):
-        a, b = one.read_sample(index), two.read_sample(index)
-        for key in ("input_ids", "loss_mask"):
-            assert torch.equal(a[key], b[key])
-        for key in ("aux_hidden_states", "final_hidden_state"):
-            assert torch.equal(a[key].view(torch.int16), b[key].view(torch.int16))
+    common = dict(format="specforge", target=str(REFERENCE_TARGET), aux_layer_ids=AUX, samples_per_shard=3,
+                  codec="fp8_e4m3", compression="zstd", teacher="topk", progress=False)
+    torch_threads = torch.get_num_threads()
+    import_features(tmp_path / "sf", str(tmp_path / "one"), threads=1, **common)
+    import_features(tmp_path / "sf", str(tmp_path / "threads"), threads=3, **common)
+    assert torch.get_num_threads() == torch_threads  # the import's one torch thread per file is undone
+    summary = import_features(tmp_path / "sf", str(tmp_path / "workers"), workers=2, **common)
+    assert summary.num_units > 2
+    want = shard_files(str(tmp_path / "one"))
+    assert len(want) > 3 * summary.num_units
+    assert shard_files(str(tmp_path / "threads")) == want
+    assert shard_files(str(tmp_path / "workers")) == want
+
+
+def shard_files(url: str) -> dict[str, bytes]:
+    """Every file of every committed shard, by shard id and path inside the shard (the shard folder
+    names carry a random attempt suffix)."""
+    store = hsstore.open_store(url)
+    return {
+        f"{shard.shard_id}/{path.relative_to(Path(url, shard.path))}": path.read_bytes()
+        for shard in store.shards
+        for path in sorted(Path(url, shard.path).rglob("*"))
+        if path.is_file()
+    }
