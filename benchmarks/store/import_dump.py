@@ -8,11 +8,13 @@ turn (file i holds sample i mod n, under its own name). Then, with the same page
 the import (``--cold`` drops the page cache first, which needs root and affects the whole
 machine):
 
-1. the disk's read speed: every file read once with O_DIRECT (the page cache bypassed), with the
-   import's number of read threads; and the same through the page cache, for reference;
+1. the disk's read speed: every file read once with O_DIRECT (the page cache bypassed), with
+   ``--read-threads`` threads; and the same through the page cache, for reference;
 2. ``hsstore import --preset compact`` of the dump (fp8 aux, top-20 logits from the final state,
    zstd), timed end to end (listing, reading, torch.load, checks, lm_head top-k, encoding, writing,
-   commits).
+   commits), with its CPU time (the process's and its workers', every thread) and the machine's
+   load average before and after: on a shared machine the seconds depend on the other jobs, the
+   CPU seconds much less.
 
 Writes ``--out`` (default ``benchmarks/results/import.json``)::
 
@@ -28,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
@@ -104,6 +107,12 @@ def read_all(dump: Path, threads: int, direct: bool) -> tuple[int, float]:
     return total, time.perf_counter() - start
 
 
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process and its finished children (``--workers``)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--files", type=int, default=10_000)
@@ -112,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--read-threads", type=int, default=4, help="threads of the disk's read-speed measure")
     parser.add_argument("--threads", type=int, default=None, help="the import's threads (default: the cores)")
     parser.add_argument("--samples-per-shard", type=int, default=1024)
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="import processes")
+    parser.add_argument("--workers", type=int, default=1, help="import processes (each with its share of --threads)")
     parser.add_argument("--device", default="cpu", help="where the top-k projection runs")
     parser.add_argument("--cold", action="store_true", help="drop the page cache before each pass (root)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/hsstore-bench-import"))
@@ -133,12 +142,14 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(store_url, ignore_errors=True)
     if args.cold:
         drop_caches()
+    load_before, cpu_before = os.getloadavg()[0], _cpu_seconds()
     summary = import_features(
         dump, str(store_url), format="specforge", target=str(REFERENCE_TARGET), aux_layer_ids=[2, 4, 5],
         codec="fp8_e4m3", compression="zstd", teacher="topk", topk_k=20, device=args.device,
         samples_per_shard=args.samples_per_shard, threads=args.threads,
         workers=args.workers, progress=False,
     )
+    cpu_seconds, load_after = _cpu_seconds() - cpu_before, os.getloadavg()[0]
     store_bytes = sum(p.stat().st_size for p in store_url.rglob("*") if p.is_file())
     results: dict[str, Any] = {
         "files": summary.num_files,
@@ -151,10 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         "disk_read_mb_per_s": read_bytes / read_seconds / 1e6,
         "import_over_disk_read_speed": (summary.source_bytes / summary.seconds) / (read_bytes / read_seconds),
         "disk_read_seconds": read_seconds,
+        "import_cpu_seconds": cpu_seconds,
+        "load_average_1min_before_after": [load_before, load_after],
         "disk_read": "O_DIRECT reads of every file, --read-threads threads (the page cache bypassed)",
         "page_cache_read_mb_per_s": warm_bytes / warm_seconds / 1e6,
         "import_page_cache": "dropped before the import" if cold else "as left by the reads (warm)",
         "workers": args.workers,
+        "threads": summary.threads,
         "preset": "compact: fp8_e4m3 aux, top-20 bf16 logits + int32 ids, zstd",
         "target": "examples/reference-target (H=384, vocab 8192)",
         "machine": {

@@ -76,6 +76,7 @@ class ImportSummary:
     num_tokens: int
     source_bytes: int
     seconds: float
+    threads: int  # files prepared at once per process
 
 
 def import_lineage(
@@ -191,7 +192,7 @@ def import_features(
     hsstore.ensure_store(store_url, features=job.features, lineage=lineage)
     done = hsstore.committed_shard_ids(store_url)
     units = [files[i : i + samples_per_shard] for i in range(0, len(files), samples_per_shard)]
-    summary = ImportSummary(str(source), store_url, format, len(files), len(units), 0, 0, 0, 0, 0.0)
+    summary = ImportSummary(str(source), store_url, format, len(files), len(units), 0, 0, 0, 0, 0.0, job.threads)
     todo = [(f"{SHARD_PREFIX}-{n:06d}", unit) for n, unit in enumerate(units)]
     summary.units_skipped = sum(shard_id in done for shard_id, _ in todo)
     todo = [(shard_id, unit) for shard_id, unit in todo if shard_id not in done]
