@@ -304,11 +304,17 @@ def relative_error(actual: Any, expected: Any) -> float:
     return float(error_T.max())
 
 
-def same_batches_error(args: argparse.Namespace, name: str, limit: int | None) -> tuple[float, int]:
+def same_batches_error(
+    args: argparse.Namespace, name: str, limit: int | None, references: tuple[str, ...] = ("bfloat16",)
+) -> tuple[dict[str, float], int]:
     """Run ``name``'s store against the same batches (its first unit, batch by batch as its
     worker ran them: the same planning, budget and padding) through the extraction's capture code
-    on one device, eager, in this process: the largest per-token relative error of the aux and
-    final states over at most ``--compare-samples`` samples, and how many were compared."""
+    on one device, eager, in this process, with the target in each of ``references`` (dtypes).
+
+    Returns the largest per-token relative error of the aux and final states over at most
+    ``--compare-samples`` samples, keyed ``store_vs_<dtype>`` and, with more than one reference,
+    ``<first>_vs_<other>`` (e.g. ``bfloat16_vs_float32``: what bf16 itself costs, the yardstick
+    for the store's error against float32), and how many samples were compared."""
     import numpy as np
     import torch
 
@@ -320,26 +326,43 @@ def same_batches_error(args: argparse.Namespace, name: str, limit: int | None) -
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     stored = hsstore.open_store(str(store_path(args, name)))
     index_of = {sid: i for i, sid in enumerate(stored.samples["sample_id"].to_pylist())}
-    model = load_target(str(Path(args.work) / "target"), dtype="bfloat16", device=device)
+    captures = {
+        dtype: HiddenStateCapture(
+            load_target(str(Path(args.work) / "target"), dtype=dtype, device=device), AUX_LAYER_IDS[args.shape],
+            pass_attention_mask=False,
+        )
+        for dtype in references
+    }
     units, pad = planned_units(args, limit)
     unit = units[0]
-    worst, compared = 0.0, 0
-    with HiddenStateCapture(model, AUX_LAYER_IDS[args.shape], pass_attention_mask=False) as capture:
-        for batch in plan_batches([len(r.input_ids) for r in unit.rows], args.token_budget, pad_to_multiple_of=8):
-            if compared >= args.compare_samples:
-                break
-            input_ids, mask = collate([r.input_ids for r in unit.rows], batch, pad)
-            valid = torch.from_numpy(np.flatnonzero(mask.reshape(-1))).to(device)
-            features = capture(torch.from_numpy(input_ids).to(device), torch.from_numpy(mask).to(device), valid)
-            offset = 0
-            for i in batch.indices:
-                row = unit.rows[i]
-                sample = stored.read_sample(index_of[row.sample_id])
-                span = slice(offset, offset + len(row.input_ids))
-                for feature in ("aux_hidden_states", "final_hidden_state"):
-                    worst = max(worst, relative_error(sample[feature], features[feature][span].cpu()))
-                offset += len(row.input_ids)
-                compared += 1
+    worst: dict[str, float] = {}
+    compared = 0
+
+    def note(key: str, actual: Any, expected: Any) -> None:
+        worst[key] = max(worst.get(key, 0.0), relative_error(actual, expected))
+
+    for batch in plan_batches([len(r.input_ids) for r in unit.rows], args.token_budget, pad_to_multiple_of=8):
+        if compared >= args.compare_samples:
+            break
+        input_ids, mask = collate([r.input_ids for r in unit.rows], batch, pad)
+        valid = torch.from_numpy(np.flatnonzero(mask.reshape(-1))).to(device)
+        inputs = (torch.from_numpy(input_ids).to(device), torch.from_numpy(mask).to(device), valid)
+        features = {dtype: capture(*inputs) for dtype, capture in captures.items()}
+        offset = 0
+        for i in batch.indices:
+            row = unit.rows[i]
+            sample = stored.read_sample(index_of[row.sample_id])
+            span = slice(offset, offset + len(row.input_ids))
+            for feature in ("aux_hidden_states", "final_hidden_state"):
+                ours = {dtype: f[feature][span].cpu() for dtype, f in features.items()}
+                for dtype in references:
+                    note(f"store_vs_{dtype}", sample[feature], ours[dtype])
+                for dtype in references[1:]:
+                    note(f"{references[0]}_vs_{dtype}", ours[references[0]], ours[dtype])
+            offset += len(row.input_ids)
+            compared += 1
+    for capture in captures.values():
+        capture.close()
     return worst, compared
 
 
@@ -351,7 +374,8 @@ def compare(args: argparse.Namespace) -> None:
     import hsstore
 
     stores = Path(args.work) / "stores"
-    worst, compared = same_batches_error(args, "split", args.split_records)
+    errors, compared = same_batches_error(args, "split", args.split_records)
+    worst = errors["store_vs_bfloat16"]
     split = hsstore.open_store(str(stores / "split"))
     split_ids = split.samples["sample_id"].to_pylist()
     result: dict[str, Any] = {"split_max_rel_err_same_batches": worst, "split_samples_compared": compared}

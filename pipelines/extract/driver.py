@@ -85,6 +85,7 @@ def run_extraction(
     wall_start, job_started_at = time.perf_counter(), time.time()
     setup = prepare(recipe)
     summary = ExtractionSummary(store=setup.recipe.store, rejects_path="", dry_run=dry_run)
+    summary.prepare_seconds = time.time() - job_started_at
     summary.feature_bytes_per_token = sum(f.raw_bytes_per_token for f in setup.features)
     if dry_run:
         plan_only(setup, summary)
@@ -175,7 +176,7 @@ def extract(
     # A fresh store: the workers start (Ray, the model loaded, the warm-up) while the lineage is
     # hashed and the first window planned. A resume plans first: every unit may be committed
     # already, and loading the target on every GPU to find that out would be waste.
-    executor = make_executor(recipe, spec) if not committed else None
+    executor = start_executor(recipe, spec, summary) if not committed else None
     try:
         if lineage.store_exists:
             lineage.get()  # other weights or data: refused before planning or any compute
@@ -185,8 +186,9 @@ def extract(
         schedule = UnitSchedule(planner, recipe, committed, summary)
         todo = schedule.units()
         first = next(todo, None)  # plans up to the first unit to run (all of it on a full resume)
+        summary.first_unit_planned_seconds = time.time() - job_started_at
         if first is not None:
-            executor = executor or make_executor(recipe, spec)
+            executor = executor or start_executor(recipe, spec, summary)
             committer = UnitCommitter(
                 location, setup.features, lineage, summary, UnitRejects(location), on_commit
             )
@@ -202,6 +204,14 @@ def extract(
     summary.lineage_wait_seconds = lineage.wait_seconds
     _log_outcome(summary, schedule)
     finish(location, schedule, summary)
+
+
+def start_executor(recipe: ExtractRecipe, spec: WorkerSpec, summary: ExtractionSummary) -> Any:
+    """make_executor, timed: Ray's start and the actors asked for (they load in the background)."""
+    start = time.perf_counter()
+    executor = make_executor(recipe, spec)
+    summary.executor_start_seconds = time.perf_counter() - start
+    return executor
 
 
 def open_lineage(setup: ExtractionSetup, location: StoreLocation) -> PendingLineage:

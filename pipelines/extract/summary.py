@@ -77,6 +77,16 @@ class ExtractionSummary:
     first_forward_seconds: float = 0.0
     model_load_seconds: float = 0.0
     warmup_seconds: float = 0.0
+    # The rest of the start, in order: the driver's tokenizer and target config (``prepare``,
+    # from the job's start); starting the executor (``ray.init()`` and the actors asked for; in
+    # process: the worker's thread); the first worker's constructor entered (from the job's start:
+    # a Ray actor's process up, its modules imported); the slowest worker pinning its host
+    # buffers; the first unit to run planned (from the job's start).
+    prepare_seconds: float = 0.0
+    executor_start_seconds: float = 0.0
+    worker_start_seconds: float = 0.0
+    host_buffers_seconds: float = 0.0
+    first_unit_planned_seconds: float = 0.0
     compiled: bool = False
     compiled_graphs: int = 0
     fingerprint_seconds: float = 0.0
@@ -87,6 +97,9 @@ class ExtractionSummary:
         if not startups:
             return
         self.workers_ready_seconds = max(0.0, max(s.ready_at for s in startups) - job_started_at)
+        if all(s.entered_at for s in startups):
+            self.worker_start_seconds = max(0.0, min(s.entered_at for s in startups) - job_started_at)
+        self.host_buffers_seconds = max(s.buffers_seconds for s in startups)
         self.model_load_seconds = max(s.load_seconds for s in startups)
         self.warmup_seconds = max(s.warmup_seconds for s in startups)
         self.compiled = all(s.compiled for s in startups)
@@ -179,12 +192,15 @@ class ExtractionSummary:
         ]
         if self.workers_ready_seconds:
             compiled = f", compiled into {self.compiled_graphs} graph(s)" if self.compiled else ", eager"
-            lines.append(
-                f"start            workers ready after {self.workers_ready_seconds:.1f} s (model loaded in "
-                f"{self.model_load_seconds:.1f} s, warm-up {self.warmup_seconds:.1f} s{compiled}); first forward "
-                f"after {self.first_forward_seconds:.1f} s; lineage hashed in {self.fingerprint_seconds:.1f} s "
-                f"beside it (waited {self.lineage_wait_seconds:.1f} s)"
-            )
+            lines += [
+                f"start            prepared after {self.prepare_seconds:.1f} s, executor started in "
+                f"{self.executor_start_seconds:.1f} s, first worker up after {self.worker_start_seconds:.1f} s, "
+                f"first unit planned after {self.first_unit_planned_seconds:.1f} s",
+                f"                 workers ready after {self.workers_ready_seconds:.1f} s (model loaded in "
+                f"{self.model_load_seconds:.1f} s, host buffers {self.host_buffers_seconds:.1f} s, warm-up "
+                f"{self.warmup_seconds:.1f} s{compiled}); first forward after {self.first_forward_seconds:.1f} s; "
+                f"lineage hashed in {self.fingerprint_seconds:.1f} s beside it (waited {self.lineage_wait_seconds:.1f} s)",
+            ]
         if len(self.units_by_node) > 1:
             counts = ", ".join(f"{node[:8]} {n}" for node, n in sorted(self.units_by_node.items()))
             lines.append(f"ray nodes        {len(self.units_by_node)} ran units (units per node id: {counts})")

@@ -113,6 +113,10 @@ class WorkerStartup:
     compiled: bool  # model.compile resolved (and kept: an ``auto`` compile that failed runs eager)
     compiled_graphs: int = 0  # graphs the warm-up compiled (1: one graph serves every batch)
     ready_at: float = 0.0  # wall clock (time.time()) when the worker was ready for units
+    # Wall clock when the worker's constructor began (a Ray actor: its process up, its modules
+    # imported), and the seconds it spent allocating (pinning) its host buffers.
+    entered_at: float = 0.0
+    buffers_seconds: float = 0.0
 
 
 # -- cutting samples into units ------------------------------------------------------------------

@@ -62,6 +62,7 @@ class ExtractionWorker:
 
     def __init__(self, spec: WorkerSpec, model: torch.nn.Module | None = None):
         """``model``: an already loaded target (benchmarks, tests); default: load ``spec.target``."""
+        entered_at = time.time()  # a Ray actor's process is up and its modules imported
         self.spec = spec
         self.device = resolve_device(spec.device)  # where features are gathered and copied from
         self.input_device = self.device  # where token ids go (the embeddings' device)
@@ -77,14 +78,11 @@ class ExtractionWorker:
         self.profiler = FirstBatchesProfiler(spec.profile_dir, spec.profile_batches, self.device)
         # Pinned host buffers for the device-to-host copies, shared by the units in flight: as
         # many as the sink's queue holds plus the one being written and the one being copied.
-        self.host_buffers = HostBufferPool(
-            spec.features,
-            spec.token_budget,
-            MAX_PENDING_BATCHES + 2,
-            pin=self.device.type == "cuda",
-        )
-        if self.device.type == "cuda":
+        buffers_start, pin = time.perf_counter(), self.device.type == "cuda"
+        self.host_buffers = HostBufferPool(spec.features, spec.token_budget, MAX_PENDING_BATCHES + 2, pin=pin)
+        if pin:
             self.host_buffers.preallocate()
+        buffers_seconds = time.perf_counter() - buffers_start
         self.capture = HiddenStateCapture(
             self.model,
             spec.aux_layer_ids,
@@ -103,8 +101,11 @@ class ExtractionWorker:
             else None
         )
         self.warmup_seconds = self._start()
-        graphs = self.compiled.num_graphs if self.compiled else 0
-        self.startup = WorkerStartup(load_seconds, self.warmup_seconds, self.compiled is not None, graphs, time.time())
+        self.startup = WorkerStartup(
+            load_seconds, self.warmup_seconds, compiled=self.compiled is not None, ready_at=time.time(),
+            compiled_graphs=self.compiled.num_graphs if self.compiled else 0,
+            entered_at=entered_at, buffers_seconds=buffers_seconds,
+        )
 
     def _start(self) -> float:
         """The warm-up, on a GPU or with compiled layers; an ``auto`` compile that fails runs eager."""

@@ -95,6 +95,8 @@ def test_tiny_cpu_gpu_limit_run_writes_the_extract_keys(tmp_path: Path) -> None:
                             "job_wall_seconds_1m_tokens", "first_forward_seconds", "model_load_seconds"}
     assert all(value is not None and value > 0 for value in extract.values()), extract
     assert extract["max_feature_rel_err"] < 4e-2  # bf16 rounding, not another computation
+    details = measured["details"]  # compiled no further from the float32 forward than eager
+    assert 0 < details["compiled_vs_float32_rel_err"] < 1.5 * details["eager_vs_float32_rel_err"] + 2e-3
     assert runs["bf16-1"]["compiled"] is False and runs["bf16-1-compiled"]["compiled"] is True
     assert runs["bf16-1-compiled"]["compiled_graphs"] == 1
     assert extract["first_forward_seconds"] <= extract["job_wall_seconds_1m_tokens"]

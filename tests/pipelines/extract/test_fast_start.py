@@ -132,7 +132,13 @@ def test_a_run_reports_its_start_and_records_the_whole_lineage(tiny_qwen3: Path,
     assert summary.fingerprint_seconds > 0 and summary.lineage_wait_seconds >= 0
     assert summary.model_load_seconds > 0 and not summary.compiled  # model.compile: auto on a CPU
     assert 0 < summary.workers_ready_seconds <= summary.first_forward_seconds < summary.wall_seconds
-    assert "workers ready after" in summary.format() and "first forward after" in summary.format()
+    # The start in order: prepared, the executor started (its worker built on a thread), the worker
+    # entered, ready; the first unit planned beside it.
+    assert 0 < summary.prepare_seconds < summary.worker_start_seconds < summary.workers_ready_seconds
+    assert summary.executor_start_seconds > 0 and summary.host_buffers_seconds >= 0
+    assert summary.prepare_seconds < summary.first_unit_planned_seconds < summary.wall_seconds
+    text = summary.format()
+    assert "first worker up after" in text and "workers ready after" in text and "first forward after" in text
 
 
 def test_a_resume_from_other_weights_is_refused_before_any_compute(tiny_qwen3: Path, mixed_data: Path, tmp_path: Path) -> None:
