@@ -186,11 +186,35 @@ def scatter(data: bytes | memoryview, parts: list[Any]) -> None:
     Through numpy, which copies without the GIL; a memoryview slice assignment holds it, and the
     loader's other read threads (a ranged GET of ~10 MB returns every few ms per thread) waited
     behind every copy."""
-    source, at = np.frombuffer(data, dtype=np.uint8), 0
-    for part in parts:
-        target = np.frombuffer(part, dtype=np.uint8)  # a writable part gives a writable view
-        np.copyto(target, source[at : at + target.nbytes])
-        at += target.nbytes
+    Scatter(parts).write(data)
+
+
+class Scatter:
+    """Copies the successive pieces of one byte stream over writable buffers, one after another:
+    a response body lands in its final places as it arrives, whatever the pieces' sizes.
+
+    :attr:`received` counts every byte written, also those past the buffers' end (dropped), so a
+    caller compares it with :attr:`nbytes` to find a short or long body."""
+
+    def __init__(self, parts: list[Any]):
+        self._targets = [np.frombuffer(part, dtype=np.uint8) for part in parts]  # a writable part gives a writable view
+        self.nbytes = sum(target.nbytes for target in self._targets)
+        self.received = 0
+        self._index = 0  # the target being filled
+        self._offset = 0  # bytes of it already filled
+
+    def write(self, data: bytes | memoryview) -> None:
+        source = np.frombuffer(data, dtype=np.uint8)
+        self.received += source.nbytes
+        at = 0
+        while at < source.nbytes and self._index < len(self._targets):
+            target = self._targets[self._index]
+            count = min(target.nbytes - self._offset, source.nbytes - at)
+            np.copyto(target[self._offset : self._offset + count], source[at : at + count])
+            at += count
+            self._offset += count
+            if self._offset == target.nbytes:
+                self._index, self._offset = self._index + 1, 0
 
 
 def _checked(entry: bytes) -> bytes | None:
@@ -201,4 +225,4 @@ def _checked(entry: bytes) -> bytes | None:
     return data if crc32c_bytes([data]) == entry[-CRC_BYTES:] else None
 
 
-__all__ = ["ReadCache", "scatter"]
+__all__ = ["ReadCache", "Scatter", "scatter"]

@@ -37,6 +37,11 @@ class S3Backend(FsspecBackend):
             return self._range_reader.read(self.path(key), start, end)
         return super().read_range(key, start, end)
 
+    def read_range_into(self, key: str, offset: int, buffers: list[Any]) -> int:
+        if self._range_reader is not None:
+            return self._range_reader.read_into(self.path(key), offset, buffers)
+        return super().read_range_into(key, offset, buffers)
+
     def sha256(self, key: str) -> tuple[int, str]:
         """Through ranged GETs where obstore reads (s3fs's one event loop read 0.3 GB/s on 2 cores)."""
         return StoreLocation.sha256(self, key) if self._range_reader is not None else super().sha256(key)

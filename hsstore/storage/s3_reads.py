@@ -31,14 +31,17 @@ stay on fsspec (and its conditional PUTs). What obstore is given, so that it rea
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from hsstore.errors import botocore_responses
+from hsstore.read_cache import Scatter
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,9 @@ _CLIENT_KWARGS = {"endpoint_url", "region_name"}
 # How long obstore keeps credentials from botocore before asking again: botocore itself refreshes
 # temporary credentials well before they expire (15 minutes ahead), so asking every 5 is enough.
 CREDENTIALS_TTL = timedelta(minutes=5)
+# A streamed GET body is copied into place in pieces of at least this size: large enough that the
+# per-piece Python work is small against the copy, small enough to stay in the CPU's cache.
+STREAM_PIECE_BYTES = 1 << 20
 
 
 def configured_reader() -> str:
@@ -122,22 +128,49 @@ class ObstoreRangeReader:
 
     def read(self, path: str, start: int, end: int) -> memoryview:
         import obstore
-        from obstore.exceptions import (
-            BaseError,
-            NotFoundError,
-            PermissionDeniedError,
-            UnauthenticatedError,
-        )
 
         bucket, _, key = path.partition("/")
-        try:
+        with _named_errors(path, start, end):
             return memoryview(obstore.get_range(self._store(bucket), key, start=start, end=end))
-        except (FileNotFoundError, NotFoundError) as err:  # obstore raises the builtin for a 404
-            raise FileNotFoundError(f"s3://{path}: not found ({_first_line(err)})") from err
-        except (PermissionError, PermissionDeniedError, UnauthenticatedError) as err:
-            raise PermissionError(f"s3://{path}: access refused ({_first_line(err)})") from err
-        except BaseError as err:
-            raise OSError(f"s3://{path}: bytes {start}-{end} not read: {_first_line(err)}") from err
+
+    def read_into(self, path: str, start: int, buffers: list[Any]) -> int:
+        """The bytes from ``start`` over the writable ``buffers``, one after another, copied as the
+        body arrives (pieces of :data:`STREAM_PIECE_BYTES`); returns how many bytes came (fewer than
+        the buffers hold: the object ended). Unlike :meth:`read`, no buffer of the whole range is
+        built first: that copy and the page faults of a fresh ~10 MB buffer per GET were a third
+        of the loader's CPU time per byte (benchmarks/RESULTS.md, issue 32)."""
+        import obstore
+
+        filler = Scatter(buffers)
+        if not filler.nbytes:
+            return 0
+        bucket, _, key = path.partition("/")
+        end = start + filler.nbytes
+        with _named_errors(path, start, end):
+            result = obstore.get(self._store(bucket), key, options={"range": (start, end)})
+            for piece in result.stream(min_chunk_size=STREAM_PIECE_BYTES):
+                filler.write(piece)
+        return filler.received
+
+
+@contextlib.contextmanager
+def _named_errors(path: str, start: int, end: int) -> Iterator[None]:
+    """obstore's errors as the builtins the loader handles, naming the file."""
+    from obstore.exceptions import (
+        BaseError,
+        NotFoundError,
+        PermissionDeniedError,
+        UnauthenticatedError,
+    )
+
+    try:
+        yield
+    except (FileNotFoundError, NotFoundError) as err:  # obstore raises the builtin for a 404
+        raise FileNotFoundError(f"s3://{path}: not found ({_first_line(err)})") from err
+    except (PermissionError, PermissionDeniedError, UnauthenticatedError) as err:
+        raise PermissionError(f"s3://{path}: access refused ({_first_line(err)})") from err
+    except BaseError as err:
+        raise OSError(f"s3://{path}: bytes {start}-{end} not read: {_first_line(err)}") from err
 
 
 def _first_line(err: BaseException) -> str:

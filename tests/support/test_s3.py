@@ -104,3 +104,55 @@ def test_an_added_latency_delays_each_request_and_requests_on_other_connections_
         assert min(alone) >= 0.2
         assert time.perf_counter() - started < 8 * 0.2 / 2  # the waits overlap, not queue
         assert s3.requests()["GET"] == 9
+
+
+def test_a_folder_loaded_server_side_reads_as_uploaded_and_the_latency_changes_for_every_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MotoS3.load puts a store's files as upload() does (same keys, same bytes, the bucket made),
+    and set_latency after a freeze delays the requests of every forked process."""
+    import time
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    import s3fs
+
+    from tests.support.s3 import MotoS3
+
+    local = tmp_path / "store"
+    specs = [FeatureSpec(name="aux_hidden_states", shape=(3, 16), chunk_tokens=16), FeatureSpec(name="final_hidden_state", shape=(16,), chunk_tokens=16)]
+    with hsstore.StoreWriter(str(local), specs, make_lineage(), shard_max_tokens=150) as writer:
+        for i in range(12):
+            writer.add_sample(**make_sample(i, 20 + i))
+    monkeypatch.setattr(s3fs.S3FileSystem, "_cache", {})
+    with MotoS3(processes=2) as s3:
+        for key, value in s3.environ().items():
+            monkeypatch.setenv(key, value)
+        files = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
+        loaded = s3.load(local, "s3://loaded/deep/store")
+        assert loaded == {"files": len(files), "bytes": sum((local / f).stat().st_size for f in files)}
+        fs = s3fs.S3FileSystem(skip_instance_cache=True)
+        assert sorted(p.removeprefix("loaded/deep/store/") for p in fs.find("loaded/deep/store")) == files
+        for name in files:
+            assert fs.cat_file(f"loaded/deep/store/{name}") == (local / name).read_bytes()
+        s3.freeze()
+        with pytest.raises(RuntimeError, match=r"load\(\) before freeze\(\)"):
+            s3.load(local, "s3://loaded/again")
+
+        def list_buckets() -> float:
+            started = time.perf_counter()
+            with urllib.request.urlopen(f"{s3.endpoint}/", timeout=10) as response:
+                response.read()
+            return time.perf_counter() - started
+
+        assert max(list_buckets() for _ in range(4)) < 0.15
+        s3.set_latency(150)
+        with ThreadPoolExecutor(8) as pool:  # whichever process answers waits
+            assert min(pool.map(lambda _: list_buckets(), range(16))) >= 0.15
+        s3.set_latency(0)
+        assert min(list_buckets() for _ in range(4)) < 0.15
+        with pytest.raises(ValueError, match="latency_ms must be >= 0, got -1"):
+            s3.set_latency(-1)
+        for want, got in zip(_epoch(str(local)), _epoch("s3://loaded/deep/store"), strict=True):
+            for name in want:
+                np.testing.assert_array_equal(got[name], want[name])
