@@ -37,9 +37,10 @@ class HostDecoder:
         """Tokens ``[offset, offset + length)`` of one shard into ``out``, fp8 features as bf16 bits."""
         import torch
 
-        targets = {key: value for key, value in out.items() if key not in self.decoded}
+        decoded = {name: spec for name, spec in self.decoded.items() if name in features}  # of those read
+        targets = {key: value for key, value in out.items() if key not in decoded}
         scratch = self._scratch.__dict__
-        for spec in self.decoded.values():
+        for spec in decoded.values():
             for key, per_token, dtype in spec.stored_arrays():
                 size = length * int(np.prod(per_token, dtype=np.int64))
                 buffer = scratch.get(key)
@@ -47,7 +48,7 @@ class HostDecoder:
                     buffer = scratch[key] = np.empty(max(size, 2 * (0 if buffer is None else buffer.size)), dtype=dtype)
                 targets[key] = buffer[:size].reshape(length, *per_token)
         self.store.read_token_range(shard_id, offset, offset + length, features, out=targets, layers=layers)
-        for name, spec in self.decoded.items():
+        for name, spec in decoded.items():
             bf16 = torch.from_numpy(out[name].view(np.int16)).view(torch.bfloat16)
             raw = {key: targets[key] for key in spec.array_names()}
             codecs.decode_torch(spec, raw, out=bf16, threads=1)

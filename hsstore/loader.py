@@ -140,6 +140,11 @@ class StreamingLoader:
         arrays = [array for spec in self._specs.values() for array in spec.stored_arrays()]
         self._buffers = BatchBufferPool(arrays, token_budget, max_free=self.prefetch_batches + 2)
         self._catalog = build_catalog(self.store)
+        # Where requests wait on a network, one read per sample and feature (a feature's arrays are
+        # files of their own): each GET is a read in flight, instead of a sample's arrays waiting
+        # on one another in one thread. Locally one read per sample, each array one preadv.
+        remote = self.store.location.prefers_threads
+        self._read_units = [[name] for name in self.features] if remote else [list(self.features)]
         self._plans: dict[int, EpochPlan] = {}
         self._plans_lock = threading.Lock()
         self.num_skipped_samples = 0
@@ -252,7 +257,14 @@ class StreamingLoader:
             for k, pos in enumerate(self.positions(start, max_epochs))
             if k % num_workers == worker_id
         )
-        group_size = max(1, self.prefetch_batches // 2)
+        # Locally: two groups of half the read-ahead, one read while the other is consumed. Where
+        # requests wait on a network: groups of one batch and the whole read-ahead in flight, the
+        # next batch's reads starting as soon as the oldest batch is handed over (between groups
+        # the reads in flight drained to the last few of the group).
+        if self.store.location.prefers_threads:
+            group_size, groups_in_flight = 1, self.prefetch_batches
+        else:
+            group_size, groups_in_flight = max(1, self.prefetch_batches // 2), 2
         readers = ThreadPoolExecutor(max_workers=self.read_threads, thread_name_prefix="hsstore-read")
         assembler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsstore-assemble")
         # Where requests wait on a network: fetch a group's shards' table, zarr.json and index at once (SampleCatalog.open_ahead).
@@ -276,8 +288,8 @@ class StreamingLoader:
                 first = False
                 if not pending:
                     return
-                # Keep one group reading while the oldest is consumed.
-                if len(pending) > 1 or not group:
+                # Keep the other groups reading while the oldest is consumed.
+                if len(pending) >= groups_in_flight or not group:
                     yield from pending.popleft().result()
         finally:
             for future in pending:
@@ -293,9 +305,10 @@ class StreamingLoader:
     def _start_group(self, group: list[_GroupItem], pool: ThreadPoolExecutor) -> tuple[list[_PlannedBatch], list[_Read]]:
         """Allocate the group's batches and start reading every sample straight into its place.
 
-        One read per sample: :meth:`Store.read_token_range` scatters the sample's rows into the batch
-        buffer with one ``preadv`` per array (hsstore.format.array_reader), so the bytes are copied once, by the
-        kernel, instead of into a range buffer first and then into the batch.
+        One read per sample (per sample and feature on object storage, ``_read_units``):
+        :meth:`Store.read_token_range` scatters the sample's rows into the batch buffer with one
+        ``preadv`` per array (hsstore.format.array_reader; a streamed GET on object storage), so the
+        bytes are copied once, straight into the batch, instead of into a range buffer first.
         """
         batches: list[_PlannedBatch] = []
         reads: list[_Read] = []
@@ -307,17 +320,18 @@ class StreamingLoader:
                 for s in row:
                     length = self._clipped_length(s)
                     out = {key: array[b, cursor : cursor + length] for key, array in arrays.items()}
-                    reads.append((n, s, pool.submit(self._read_into, s, length, out)))
+                    for features in self._read_units:
+                        reads.append((n, s, pool.submit(self._read_into, s, length, out, features)))
                     cursor += length
             batches.append((epoch, j, rows, arrays))
         return batches, reads
 
-    def _read_into(self, sample: int, length: int, out: dict[str, np.ndarray]) -> None:
+    def _read_into(self, sample: int, length: int, out: dict[str, np.ndarray], features: list[str]) -> None:
         shard_id, offset = self._catalog.locate(sample)
         if self._decoded_here:
-            self._host_decoder.read(shard_id, offset, length, self.features, out, self.layers)
+            self._host_decoder.read(shard_id, offset, length, features, out, self.layers)
         else:
-            self.store.read_token_range(shard_id, offset, offset + length, self.features, out=out, layers=self.layers)
+            self.store.read_token_range(shard_id, offset, offset + length, features, out=out, layers=self.layers)
 
     def _finish_group(self, batches: list[_PlannedBatch], reads: list[_Read]) -> list[HostBatch]:
         """Wait for the group's reads and complete its batches (token columns, document layout)."""

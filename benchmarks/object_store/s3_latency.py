@@ -1,106 +1,292 @@
-"""Reads in flight against an endpoint with first-byte latency (issue 16): the loader's ``read_threads``.
+"""The loader against an endpoint with a cloud store's latency, and that endpoint's own ceiling, in
+one run (issue 32.2): does one loader process keep its trainers fed, and how much of what the
+endpoint can serve does it take?
 
-moto on loopback answers in well under a millisecond, so the number of requests in flight hardly
-matters there (RESULTS.md: 4, 8 and 16 read threads read the same). A real object store answers
-each request after a first-byte latency of its own, and the way to full throughput is many requests
-at once (AWS's performance guidelines: scale connections horizontally, fetch byte ranges in
-parallel). This benchmark adds a fixed wait to every request of the moto server
-(``MotoS3(latency_ms=...)``, a sleep, so waits on different connections overlap as they would on
-a real endpoint) and reads one epoch of the same store with several ``read_threads`` values, both
-range readers, interleaved and repeated; the local filesystem at the loader's default is the
-baseline of the same run. The latency is an assumption of the run, stated in its output, not a
+moto's S3 server on loopback answers at once; a cloud store answers each request after a
+first-byte latency (tens of ms), and the way to throughput is many requests in flight. Here every
+request of the moto server waits ``--latency-ms`` (``MotoS3.set_latency``: a sleep, so waits on
+different connections overlap as on a real endpoint; set once the store is in the bucket, so the
+upload does not pay it). The latency is an assumption of the run, stated in its output, not a
 measurement of any endpoint.
 
-    python -m benchmarks.bench_object_store s3-latency --latency-ms 20 --threads 4,8,16,32 --out results.json
+Each repeat, interleaved:
+
+1. **the loader**: a fresh :class:`hsstore.StreamingLoader` on the ``s3://`` URL with the loader's
+   defaults for object storage (or ``--loader-threads`` overrides), ``--epochs`` epochs of packed
+   batches (stored bits, released at once as a trainer that keeps up would), timed from opening
+   the store to the last batch. Every ranged GET it sends is recorded (the obstore reader's calls).
+2. **the endpoint's ceiling** (the denominator): the same GETs (objects, ranges, sizes, order),
+   sent by bare obstore calls from ``--ceiling-threads`` threads, nothing done with the bytes; two
+   bare clients, ``get_range`` (one buffer per GET) and a streamed body dropped piece by piece.
+   The ceiling is the best median of every client and thread count, in tokens/s: the tokens the
+   loader read over the seconds the same GETs take bare.
+
+Summary: the loader's tokens/s (median), the ceiling, their ratio, and ``trainers_fed_per_process``
+(the loader's tokens/s over one H200 trainer's demand, 25,000 tokens/s of the Qwen3-8B shape).
+``--cluster-json`` merges issue 32's keys (``s3_latency_ms``, ``loader_tokens_per_s``,
+``endpoint_ceiling_tokens_per_s``, ``trainers_fed_per_process``) into that file, keeping its others.
+
+    python -m benchmarks.bench_object_store s3-latency --latency-ms 20 --endpoint-processes 8 \\
+        --tokens 262144 --out s3-latency.json --cluster-json benchmarks/results/cluster.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_object_store import range_reader, read_epoch, write_store
+import hsstore
+from benchmarks.bench_object_store import FEATURES, write_store
 from benchmarks.common import machine_info, write_results
-from tests.support.s3 import MotoS3, upload
+from hsstore.storage.s3_reads import STREAM_PIECE_BYTES, ObstoreRangeReader
+from tests.support.s3 import MotoS3
+
+# What one H200 trains per second on the Qwen3-8B shape (issue 32: ~25-32k tokens/s; the low end).
+TRAINER_TOKENS_PER_S = 25_000
+AIM_TRAINERS = 3  # the loader reads at least three trainers' demand ...
+AIM_SHARE_OF_CEILING = 0.8  # ... and at least this share of the endpoint's bare-GET ceiling
+
+_Range = tuple[str, int, int]  # (bucket/key, start, end) of one ranged GET
+
+
+@contextlib.contextmanager
+def recorded_gets() -> Iterator[list[_Range]]:
+    """Every ranged GET the obstore reader sends inside the block (both of its entry points)."""
+    ranges: list[_Range] = []
+    plain_read, plain_into = ObstoreRangeReader.read, ObstoreRangeReader.read_into
+
+    def read(self: ObstoreRangeReader, path: str, start: int, end: int) -> memoryview:
+        ranges.append((path, start, end))
+        return plain_read(self, path, start, end)
+
+    def read_into(self: ObstoreRangeReader, path: str, start: int, buffers: list[Any]) -> int:
+        ranges.append((path, start, start + sum(memoryview(b).nbytes for b in buffers)))
+        return plain_into(self, path, start, buffers)
+
+    ObstoreRangeReader.read, ObstoreRangeReader.read_into = read, read_into  # type: ignore[method-assign]
+    try:
+        yield ranges
+    finally:
+        ObstoreRangeReader.read, ObstoreRangeReader.read_into = plain_read, plain_into  # type: ignore[method-assign]
+
+
+def read_with_loader(url: str, settings: dict[str, Any], epochs: int) -> dict[str, Any]:
+    """``epochs`` epochs from a fresh loader, timed from opening the store to the last batch."""
+    with recorded_gets() as ranges:
+        started = time.perf_counter()
+        loader = hsstore.StreamingLoader(url, FEATURES, **settings)
+        tokens = first_tokens = 0
+        first = None
+        for batch in loader.batches(max_epochs=epochs):
+            if first is None:
+                first, first_tokens = time.perf_counter() - started, batch.num_real_tokens
+            tokens += batch.num_real_tokens
+            batch.release()
+        seconds = time.perf_counter() - started
+    assert first is not None, "the store gave no batch"
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "first_batch_s": first,
+        "steady_tokens_per_s": (tokens - first_tokens) / max(1e-9, seconds - first),
+        "read_threads": loader.read_threads,
+        "prefetch_batches": loader.prefetch_batches,
+        "gets": len(ranges),
+        "get_bytes": sum(end - start for _, start, end in ranges),
+        "ranges": ranges,
+    }
+
+
+def bare_clients(reader: ObstoreRangeReader) -> dict[str, Callable[[_Range], int]]:
+    """The two bare ways to GET a range, each returning the bytes received and keeping none."""
+    import obstore
+
+    def get_range(r: _Range) -> int:
+        return len(reader.read(*r))
+
+    def streamed(r: _Range) -> int:
+        path, start, end = r
+        bucket, _, key = path.partition("/")
+        result = obstore.get(reader._store(bucket), key, options={"range": (start, end)})
+        return sum(len(piece) for piece in result.stream(min_chunk_size=STREAM_PIECE_BYTES))
+
+    return {"get_range": get_range, "streamed": streamed}
+
+
+def replay(read: Callable[[_Range], int], ranges: list[_Range], threads: int) -> dict[str, float]:
+    """The GETs ``ranges`` from ``threads`` threads at once, in the loader's order."""
+    started = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        nbytes = sum(pool.map(read, ranges))
+    seconds = time.perf_counter() - started
+    return {"seconds": seconds, "bytes": nbytes, "mb_per_s": nbytes / seconds / 1e6}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--latency-ms", type=float, default=20.0, help="wait added to every S3 request (after the upload)")
+    parser.add_argument("--endpoint-processes", type=int, default=1, help="moto server processes (MotoS3.freeze)")
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--tokens", type=int, default=98_304, help="tokens in the store")
+    parser.add_argument("--token-budget", type=int, default=4096)
+    parser.add_argument("--epochs", type=int, default=1, help="epochs per loader run")
+    parser.add_argument("--loader-threads", default="default",
+                        help="read_threads of the loader runs, comma-separated ('default': the loader's own for s3://); the first is the headline")
+    parser.add_argument("--prefetch-batches", type=int, default=None, help="override the loader's default read-ahead")
+    parser.add_argument("--ceiling-threads", default="16,32,64", help="concurrent bare GETs, comma-separated")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--out", default=None, help="the full results (JSON)")
+    parser.add_argument("--cluster-json", default=None, help="merge issue 32's keys into this JSON file")
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--latency-ms", type=float, default=20.0, help="wait added to every S3 request")
-    parser.add_argument("--threads", default="4,8,16,32", help="read_threads values, comma-separated")
-    parser.add_argument("--readers", default="obstore,fsspec", help="range readers (HSSTORE_RANGE_READER)")
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--tokens", type=int, default=49_152)
-    parser.add_argument("--token-budget", type=int, default=4096)
-    parser.add_argument("--prefetch-batches", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--endpoint-processes", type=int, default=1)
-    parser.add_argument("--workdir", default=None)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
-    threads = [int(t) for t in args.threads.split(",")]
-    readers = args.readers.split(",")
+    args = parse_args(argv)
+    variants = {name: (None if name == "default" else int(name)) for name in args.loader_threads.split(",")}
+    headline = next(iter(variants))
+    ceiling_threads = [int(n) for n in args.ceiling_threads.split(",")]
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-s3-latency-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    base = {"token_budget": args.token_budget, "prefetch_batches": args.prefetch_batches, "shuffle_window": 1024, "seed": 0}
+    base: dict[str, Any] = {"token_budget": args.token_budget, "shuffle_window": 1024, "seed": 0}
+    if args.prefetch_batches is not None:
+        base["prefetch_batches"] = args.prefetch_batches
     report: dict[str, Any] = {
-        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["python -m benchmarks.bench_object_store s3-latency", *(argv if argv is not None else sys.argv[2:])]),
         "machine": machine_info(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "latency_ms": args.latency_ms,
-        "settings": {**base, "hidden": args.hidden, "endpoint_processes": args.endpoint_processes},
+        "settings": {**base, "hidden": args.hidden, "epochs": args.epochs, "endpoint_processes": args.endpoint_processes,
+                     "features": "aux [3, H] + final [H], bf16, default chunks"},
     }
-    runs: dict[str, list[dict[str, Any]]] = {"local": []}
+    loader_runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
+    ceiling_runs: dict[str, list[dict[str, float]]] = {}
     try:
-        with MotoS3(processes=args.endpoint_processes, latency_ms=args.latency_ms) as s3:
+        with MotoS3(processes=args.endpoint_processes) as s3:
             os.environ.update(s3.environ())
             local = workdir / "store"
             shutil.rmtree(local, ignore_errors=True)
+            started = time.perf_counter()
             report["store"] = write_store(local, hidden=args.hidden, num_tokens=args.tokens, mean_len=600, max_len=2048, shard_tokens=8192, seed=0)
             url = "s3://bench/store"
-            upload(local, url)
+            s3.load(local, url)
             s3.freeze()
-            for _ in range(args.repeats):
-                runs["local"].append(read_epoch(str(local), {**base, "read_threads": 4}))
-                for reader in readers:
-                    for n in threads:
-                        with range_reader(reader):
-                            s3.requests(reset=True)
-                            run = read_epoch(url, {**base, "read_threads": n})
-                            run["requests"] = s3.requests(reset=True)
-                        runs.setdefault(f"{reader}-{n}", []).append(run)
+            s3.set_latency(args.latency_ms)
+            report["setup_seconds"] = round(time.perf_counter() - started, 1)
+            # Untimed: what a process pays once (imports, obstore's client, botocore's credential
+            # chain), not per epoch; the runs below each open the store afresh.
+            warmup = time.perf_counter()
+            next(hsstore.StreamingLoader(url, FEATURES, **base).batches(max_epochs=1)).release()
+            report["warmup_first_batch_s"] = round(time.perf_counter() - warmup, 2)
+            reader = ObstoreRangeReader(url, {})
+            clients = bare_clients(reader)
+            for repeat in range(args.repeats):
+                for name, threads in variants.items():
+                    settings = {**base, **({} if threads is None else {"read_threads": threads})}
+                    s3.requests(reset=True)
+                    run = read_with_loader(url, settings, args.epochs)
+                    run["requests"] = s3.requests(reset=True)
+                    ranges = run.pop("ranges")
+                    loader_runs[name].append(run)
+                    if name == headline:
+                        tokens, replayed = run["tokens"], ranges
+                    print(f"repeat {repeat}: loader ({name}) {run['tokens_per_s']:,.0f} tokens/s", flush=True)
+                for client, read in clients.items():
+                    for threads in ceiling_threads:
+                        bare = replay(read, replayed, threads)
+                        bare["tokens_per_s"] = tokens / bare["seconds"]
+                        ceiling_runs.setdefault(f"{client}-{threads}", []).append(bare)
+                print(f"repeat {repeat}: ceiling " + ", ".join(f"{k} {v[-1]['tokens_per_s']:,.0f}" for k, v in ceiling_runs.items()), flush=True)
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
-    report["runs"] = runs
-    local_tps = statistics.median(r["tokens_per_s"] for r in runs["local"])
-    bytes_per_token = report["store"]["bytes"] / report["store"]["num_tokens"]
-    report["summary"] = {
-        "local_tokens_per_s": round(local_tps),
-        "s3": {
-            name: {"tokens_per_s": round(tps), "vs_local": round(tps / local_tps, 3), "mb_per_s": round(tps * bytes_per_token / 1e6),
-                   "requests": int(statistics.median(sum(v for k, v in r["requests"].items() if k in ("GET", "HEAD")) for r in values))}
-            for name, values in runs.items() if name != "local"
-            for tps in [statistics.median(r["tokens_per_s"] for r in values)]
-        },
-    }
-    print(f"\nstore: {report['store']['num_tokens']:,} tokens, {report['store']['num_shards']} shards, "
-          f"{bytes_per_token:,.0f} bytes/token; moto with {args.latency_ms:g} ms added per request, "
-          f"{args.endpoint_processes} process(es); medians of {args.repeats}")
-    print("\n| read path | read_threads | tokens/s | vs local | MB/s | requests/epoch |")
-    print("|---|---:|---:|---:|---:|---:|")
-    print(f"| local filesystem | 4 | {local_tps:,.0f} | 1.00x | {local_tps * bytes_per_token / 1e6:,.0f} | - |")
-    for name, row in report["summary"]["s3"].items():
-        reader, n = name.rsplit("-", 1)
-        print(f"| S3, {reader} | {n} | {row['tokens_per_s']:,} | {row['vs_local']:.2f}x | {row['mb_per_s']:,} | {row['requests']} |")
+    report["loader_runs"] = loader_runs
+    report["ceiling_runs"] = ceiling_runs
+    report["summary"] = summarize(loader_runs, ceiling_runs, headline, args.latency_ms)
+    print_summary(report)
     if args.out:
         write_results(args.out, report)
+    if args.cluster_json:
+        merge_cluster_keys(Path(args.cluster_json), report, args.out)
     return 0
 
+
+def summarize(loader_runs: dict[str, list[dict[str, Any]]], ceiling_runs: dict[str, list[dict[str, float]]], headline: str, latency_ms: float) -> dict[str, Any]:
+    def med(runs: list[dict[str, Any]], key: str) -> float:
+        return float(statistics.median(run[key] for run in runs))
+
+    ceilings = {name: med(runs, "tokens_per_s") for name, runs in ceiling_runs.items()}
+    best = max(ceilings, key=ceilings.__getitem__)
+    loaders = {
+        name: {
+            "tokens_per_s": round(med(runs, "tokens_per_s")),
+            "steady_tokens_per_s": round(med(runs, "steady_tokens_per_s")),
+            "first_batch_s": round(med(runs, "first_batch_s"), 3),
+            "share_of_ceiling": round(med(runs, "tokens_per_s") / ceilings[best], 3),
+            "read_threads": runs[0]["read_threads"],
+            "prefetch_batches": runs[0]["prefetch_batches"],
+            "gets_per_run": int(med(runs, "gets")),
+            "mean_get_bytes": round(med(runs, "get_bytes") / max(1, med(runs, "gets"))),
+        }
+        for name, runs in loader_runs.items()
+    }
+    loader_tps = loaders[headline]["tokens_per_s"]
+    return {
+        "s3_latency_ms": latency_ms,
+        "loader_tokens_per_s": loader_tps,
+        "endpoint_ceiling_tokens_per_s": round(ceilings[best]),
+        "endpoint_ceiling_client": best,
+        "loader_share_of_ceiling": round(loader_tps / ceilings[best], 3),
+        "trainers_fed_per_process": round(loader_tps / TRAINER_TOKENS_PER_S, 2),
+        "aim_met": loader_tps >= AIM_TRAINERS * TRAINER_TOKENS_PER_S and loader_tps >= AIM_SHARE_OF_CEILING * ceilings[best],
+        "loaders": loaders,
+        "ceilings_tokens_per_s": {name: round(value) for name, value in ceilings.items()},
+    }
+
+
+def print_summary(report: dict[str, Any]) -> None:
+    s, store = report["summary"], report["store"]
+    print(f"\nstore: {store['num_tokens']:,} tokens, {store['num_samples']} samples, {store['num_shards']} shards, "
+          f"{store['bytes'] / store['num_tokens']:,.0f} bytes/token; moto with {s['s3_latency_ms']:g} ms per request, "
+          f"{report['settings']['endpoint_processes']} process(es); medians of {len(next(iter(report['loader_runs'].values())))}")
+    print("\n| read path | reads in flight | tokens/s | share of the ceiling | past the first batch | first batch s | GETs | mean GET MB |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, row in s["loaders"].items():
+        print(f"| loader ({name}) | {row['read_threads']} | {row['tokens_per_s']:,} | {row['share_of_ceiling']:.2f} | "
+              f"{row['steady_tokens_per_s']:,} | {row['first_batch_s']:.2f} | {row['gets_per_run']} | {row['mean_get_bytes'] / 1e6:.1f} |")
+    for name, tps in s["ceilings_tokens_per_s"].items():
+        client, threads = name.rsplit("-", 1)
+        print(f"| bare GETs, {client} | {threads} | {tps:,} | {tps / s['endpoint_ceiling_tokens_per_s']:.2f} | | | | |")
+    print(f"\nloader {s['loader_tokens_per_s']:,} tokens/s = {s['loader_share_of_ceiling']:.2f} of the endpoint's ceiling "
+          f"({s['endpoint_ceiling_tokens_per_s']:,}, {s['endpoint_ceiling_client']}); {s['trainers_fed_per_process']:.2f} trainers "
+          f"of {TRAINER_TOKENS_PER_S:,} tokens/s; aim (>= {AIM_TRAINERS} trainers and >= {AIM_SHARE_OF_CEILING:.0%} of the ceiling): "
+          f"{'met' if s['aim_met'] else 'not met'}")
+
+
+def merge_cluster_keys(path: Path, report: dict[str, Any], details: str | None) -> None:
+    """Issue 32's object-storage keys into ``path`` (the cluster results), its other keys kept."""
+    s = report["summary"]
+    merged = json.loads(path.read_text()) if path.exists() else {}
+    merged.update({key: s[key] for key in ("s3_latency_ms", "loader_tokens_per_s", "endpoint_ceiling_tokens_per_s", "trainers_fed_per_process")})
+    merged["s3_latency"] = {
+        "loader_share_of_ceiling": s["loader_share_of_ceiling"],
+        "endpoint_ceiling_client": s["endpoint_ceiling_client"],
+        "aim_met": s["aim_met"],
+        "store_tokens": report["store"]["num_tokens"],
+        "endpoint_processes": report["settings"]["endpoint_processes"],
+        "nproc": report["machine"].get("nproc"),
+        "date": report["machine"].get("date"),
+        "details": details,
+    }
+    write_results(path, merged)

@@ -33,14 +33,19 @@ from typing import Any, BinaryIO
 from hsstore.read_cache import scatter
 
 HASH_BLOCK = 8 << 20
-# Reads in flight a loader keeps by default (StoreLocation.read_threads). 4 keep a local disk busy; an
-# object store answers each request after a latency of its own, which more requests in flight hide,
-# and a thread waiting on a GET costs no CPU: against moto with 100 ms added per request, 8 read
-# 1.47x (obstore) / 1.18x (s3fs) what 4 read and 16 read 1.12x what 8 read; on loopback 16 read
-# 1.13x (16 cores) / 1.17x (2 cores) what 8 read, 32 no more than 16 (benchmarks/RESULTS.md,
-# "Requests in flight" and "The copy without the GIL").
+# Reads in flight a loader keeps by default (StoreLocation.read_threads). 4 keep a local disk busy.
+# An object store answers each GET after a first-byte latency L and then streams it at some rate R
+# per connection, so reading T bytes/s in GETs of G bytes takes T * (L + G / R) / G reads in flight:
+# for 5 GB/s (150k tokens/s of the Qwen3-8B shape's bf16 features, six H200 trainers) at L = 50 ms
+# with ~10 MB GETs that is 25 for the latency alone, and S3's ~100 MB/s per connection adds 50
+# (AWS: scale connections, fetch byte ranges in parallel). So 64, whatever the latency between
+# 10 and 50 ms: a thread waiting on a GET costs no CPU, and its bytes land straight in the batches
+# read ahead (no buffer per request). Measured against moto with 20 ms per request
+# (benchmarks/RESULTS.md, "Object storage with latency", issue 32); before: 16, tuned on loopback.
 LOCAL_READ_THREADS = 4
-REMOTE_READ_THREADS = 16
+REMOTE_READ_THREADS = 64
+# Shards `hsstore verify` checks at once on object storage (each holds an 8 MB block in flight).
+REMOTE_VERIFY_THREADS = 16
 # Batches a loader reads ahead by default (StoreLocation.prefetch_batches). Reads land straight in
 # batch buffers, so the reads in flight are bounded by the batches being read: with 4 (two groups of
 # two), 16 read threads on object storage sat idle half the time; 8 read 1.26x what 4 read
@@ -133,8 +138,8 @@ class StoreLocation:
     @property
     def verify_threads(self) -> int:
         """Shards ``hsstore verify`` checks at once by default: the cores where hashing is the
-        work, the read threads where waiting on requests is."""
-        return self.read_threads if self.prefers_threads else os.cpu_count() or 1
+        work, :data:`REMOTE_VERIFY_THREADS` where waiting on requests is."""
+        return REMOTE_VERIFY_THREADS if self.prefers_threads else os.cpu_count() or 1
 
     # -- reading ------------------------------------------------------------------------------
 

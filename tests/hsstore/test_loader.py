@@ -229,6 +229,74 @@ def test_the_first_batch_is_read_alone(store_url: str, monkeypatch: pytest.Monke
     assert len(list(batches)) == loader.num_batches(0) - 1
 
 
+@pytest.fixture
+def memory_url(store_url: str) -> str:
+    """The same store on ``memory://``: a location where requests wait on a network (prefers_threads)."""
+    import uuid
+
+    import fsspec
+
+    url = f"memory://loader-{uuid.uuid4().hex[:8]}/store"
+    fsspec.filesystem("memory").put(store_url, url.removeprefix("memory://"), recursive=True)
+    return url
+
+
+def test_on_object_storage_each_feature_is_a_read_of_its_own_and_every_batch_ahead_is_in_flight(
+    store_url: str, memory_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where requests wait on a network, a sample's features are separate reads (each GET a read in
+    flight) and batches are read one per group, the whole read-ahead in flight: after the first
+    batch (read alone), the next batch starts as soon as one is handed over, not when a group of
+    half the read-ahead is. Locally nothing changes: one read per sample, two groups of two. The
+    batches are the same either way."""
+    events: list[str] = []
+    start_group, read_into = StreamingLoader._start_group, StreamingLoader._read_into
+
+    def started(self: StreamingLoader, group: list, pool: object) -> object:
+        events.append(f"start {len(group)}")
+        return start_group(self, group, pool)  # type: ignore[arg-type]
+
+    read_units: set[tuple[str, ...]] = set()
+
+    def recorded(self: StreamingLoader, sample: int, length: int, out: dict, features: list[str]) -> None:
+        read_units.add(tuple(features))
+        read_into(self, sample, length, out, features)
+
+    monkeypatch.setattr(StreamingLoader, "_start_group", started)
+    monkeypatch.setattr(StreamingLoader, "_read_into", recorded)
+    remote = make_loader(memory_url, prefetch_batches=4)
+    batches = remote.batches(max_epochs=1)
+    got = [next(batches)]
+    assert events == ["start 1"] * 4  # the first batch alone, then three more: four in flight
+    got.append(next(batches))
+    assert events == ["start 1"] * 5  # one handed over, one more started
+    got.extend(batches)
+    assert read_units == {("aux_hidden_states",), ("final_hidden_state",)}
+
+    events.clear()
+    read_units.clear()
+    local = list(make_loader(store_url, prefetch_batches=4).batches(max_epochs=1))
+    assert events[:3] == ["start 1", "start 2", "start 2"]
+    assert read_units == {tuple(FEATURES)}
+    assert len(local) == len(got)
+    for ours, theirs in zip(got, local, strict=True):
+        assert ours.sample_indices == theirs.sample_indices
+        for name, array in theirs.features.items():
+            np.testing.assert_array_equal(ours.features[name], array)
+
+
+def test_decode_on_host_reads_one_feature_at_a_time_on_object_storage(store_url: str, memory_url: str) -> None:
+    """A read of one feature decodes only that feature's fp8 bits (the other feature's read, in
+    another thread, decodes its own): the same batches as a local loader's."""
+    remote = list(make_loader(memory_url, decode_on_host=True).batches(max_epochs=1))
+    local = list(make_loader(store_url, decode_on_host=True).batches(max_epochs=1))
+    assert len(remote) == len(local) > 3
+    for ours, theirs in zip(remote, local, strict=True):
+        assert set(ours.features) == set(theirs.features) == set(FEATURES)
+        for name, array in theirs.features.items():
+            np.testing.assert_array_equal(ours.features[name], array)
+
+
 def test_to_device_releases_only_what_it_no_longer_shares(store_url: str) -> None:
     """On a CPU the device batch shares the host buffers: kept unless asked; with release=True
     the decoded tensors are copies that later batches cannot overwrite."""

@@ -124,8 +124,9 @@ def test_more_reads_in_flight_by_default_on_object_storage(stores: tuple[str, st
     here = hsstore.StreamingLoader(local, FEATURES, **settings)
     assert (here.read_threads, here.prefetch_batches) == (LOCAL_READ_THREADS, LOCAL_PREFETCH_BATCHES) == (4, 4)
     remote = hsstore.StreamingLoader(url, FEATURES, **settings)
-    # An object store's latency wants more requests in flight, and they need batches to land in.
-    assert (remote.read_threads, remote.prefetch_batches) == (REMOTE_READ_THREADS, REMOTE_PREFETCH_BATCHES) == (16, 8)
+    # An object store's latency (and its rate per connection) wants many requests in flight, and
+    # they need batches to land in.
+    assert (remote.read_threads, remote.prefetch_batches) == (REMOTE_READ_THREADS, REMOTE_PREFETCH_BATCHES) == (64, 8)
     # The same batches whatever the number of reads in flight: each read lands in its own place.
     _assert_same(
         [_snapshot(b) for b in remote.batches(max_epochs=1)],
