@@ -192,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
             reader = ObstoreRangeReader(url, {})
             clients = bare_clients(reader)
             for repeat in range(args.repeats):
-                for name, threads in variants.items():
+                names = list(variants)
+                for name in names[repeat % len(names):] + names[: repeat % len(names)]:  # each in every position
+                    threads = variants[name]
                     settings = {**base, **({} if threads is None else {"read_threads": threads})}
                     s3.requests(reset=True)
                     run = read_with_loader(url, settings, args.epochs)
