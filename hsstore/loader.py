@@ -51,6 +51,7 @@ from hsstore.packing import (
     plan_epoch,
 )
 from hsstore.read_cache import ReadCache
+from hsstore.read_schedule import ReadSchedule, started_pool
 from hsstore.store import Store, open_store
 
 logger = logging.getLogger(__name__)
@@ -140,11 +141,7 @@ class StreamingLoader:
         arrays = [array for spec in self._specs.values() for array in spec.stored_arrays()]
         self._buffers = BatchBufferPool(arrays, token_budget, max_free=self.prefetch_batches + 2)
         self._catalog = build_catalog(self.store)
-        # Where requests wait on a network, one read per sample and feature (a feature's arrays are
-        # files of their own): each GET is a read in flight, instead of a sample's arrays waiting
-        # on one another in one thread. Locally one read per sample, each array one preadv.
-        remote = self.store.location.prefers_threads
-        self._read_units = [[name] for name in self.features] if remote else [list(self.features)]
+        self._schedule = ReadSchedule.for_location(self.store.location, self.features, self.prefetch_batches)
         self._plans: dict[int, EpochPlan] = {}
         self._plans_lock = threading.Lock()
         self.num_skipped_samples = 0
@@ -257,25 +254,18 @@ class StreamingLoader:
             for k, pos in enumerate(self.positions(start, max_epochs))
             if k % num_workers == worker_id
         )
-        # Locally: two groups of half the read-ahead, one read while the other is consumed. Where
-        # requests wait on a network: groups of one batch and the whole read-ahead in flight, the
-        # next batch's reads starting as soon as the oldest batch is handed over (between groups
-        # the reads in flight drained to the last few of the group).
-        if self.store.location.prefers_threads:
-            group_size, groups_in_flight = 1, self.prefetch_batches
-        else:
-            group_size, groups_in_flight = max(1, self.prefetch_batches // 2), 2
+        schedule = self._schedule  # units, groups in flight: hsstore.read_schedule
         readers = started_pool(self.read_threads, "hsstore-read")
         assembler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsstore-assemble")
-        # Where requests wait on a network: fetch a group's shards' table, zarr.json and index at once (SampleCatalog.open_ahead).
-        opener = started_pool(OPEN_AHEAD_THREADS, "hsstore-open") if self.store.location.prefers_threads else None
+        # A group's shards' table, zarr.json and index fetched at once (SampleCatalog.open_ahead).
+        opener = started_pool(OPEN_AHEAD_THREADS, "hsstore-open") if schedule.open_ahead else None
         pending: deque[Future[list[HostBatch]]] = deque()
         first = True
         try:
             while True:
                 group = [  # the first group is one batch: step 1 waits for one batch's reads
                     (epoch, j, self.plan(epoch).batches[j])
-                    for _, (epoch, j) in zip(range(1 if first else group_size), mine, strict=False)
+                    for _, (epoch, j) in zip(range(1 if first else schedule.group_size), mine, strict=False)
                 ]
                 if group and opener is not None:
                     samples = [int(s) for _, _, rows in group for row in rows for s in row]
@@ -289,7 +279,7 @@ class StreamingLoader:
                 if not pending:
                     return
                 # Keep the other groups reading while the oldest is consumed.
-                if len(pending) >= groups_in_flight or not group:
+                if len(pending) >= schedule.groups_in_flight or not group:
                     yield from pending.popleft().result()
         finally:
             for future in pending:
@@ -303,13 +293,10 @@ class StreamingLoader:
         return int(min(self._catalog.num_tokens[sample], self.token_budget))
 
     def _start_group(self, group: list[_GroupItem], pool: ThreadPoolExecutor) -> tuple[list[_PlannedBatch], list[_Read]]:
-        """Allocate the group's batches and start reading every sample straight into its place.
-
-        One read per sample (per sample and feature on object storage, ``_read_units``):
-        :meth:`Store.read_token_range` scatters the sample's rows into the batch buffer with one
-        ``preadv`` per array (hsstore.format.array_reader; a streamed GET on object storage), so the
-        bytes are copied once, straight into the batch, instead of into a range buffer first.
-        """
+        """Allocate the group's batches and start reading every sample straight into its place
+        (one read per ``ReadSchedule.read_units`` entry): :meth:`Store.read_token_range` scatters
+        the rows into the batch buffer with one ``preadv`` or streamed GET per array, so the bytes are
+        copied once, into the batch, instead of into a range buffer first."""
         batches: list[_PlannedBatch] = []
         reads: list[_Read] = []
         for n, (epoch, j, planned) in enumerate(group):
@@ -320,7 +307,7 @@ class StreamingLoader:
                 for s in row:
                     length = self._clipped_length(s)
                     out = {key: array[b, cursor : cursor + length] for key, array in arrays.items()}
-                    for features in self._read_units:
+                    for features in self._schedule.read_units:
                         reads.append((n, s, pool.submit(self._read_into, s, length, out, features)))
                     cursor += length
             batches.append((epoch, j, rows, arrays))
@@ -385,8 +372,7 @@ class StreamingLoader:
                     _release=self._buffers.releaser(arrays),
                     num_real_tokens=layout.num_real_tokens,
                     num_skipped_samples=num_planned - sum(len(row) for row in rows),
-                    # The group's read time is reported once, on its first batch.
-                    read_seconds=wait_s if n == 0 else 0.0,
+                    read_seconds=wait_s if n == 0 else 0.0,  # the group's, on its first batch
                     bytes_read=layout.num_real_tokens * bytes_per_token,
                 )
             )
@@ -409,22 +395,6 @@ class StreamingLoader:
                 source += length
         self._buffers.give_back(arrays)  # nobody else has seen the unpacked batch
         return kept, packed
-
-
-def started_pool(threads: int, name: str) -> ThreadPoolExecutor:
-    """A thread pool whose threads are all running. A pool starts a thread per submit until it has
-    its count, and each start waits for the new thread to take the GIL: started in the middle of a
-    burst of submits, with other read threads busy, 64 of them held the submitting thread for
-    ~0.4 s on 2 loaded cores (the first batch waited on it); started here, before any read, ~10 ms."""
-    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
-    ready = threading.Barrier(threads + 1, timeout=30)
-    for _ in range(threads):
-        pool.submit(ready.wait)  # busy until all are started, so each submit starts a new thread
-    try:
-        ready.wait()
-    except threading.BrokenBarrierError:  # a thread did not start in time: the pool starts it later
-        logger.debug("%s: not all %d threads started", name, threads)
-    return pool
 
 
 __all__ = ["BatchPosition", "HostBatch", "LoaderError", "LoaderState", "StreamingLoader"]
