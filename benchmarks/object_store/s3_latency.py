@@ -147,6 +147,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prefetch-batches", type=int, default=None, help="override the loader's default read-ahead")
     parser.add_argument("--ceiling-threads", default="16,32,64", help="concurrent bare GETs, comma-separated")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="start no repeat that would end past this many seconds from the start (at least one runs)")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--out", default=None, help="the full results (JSON)")
     parser.add_argument("--cluster-json", default=None, help="merge issue 32's keys into this JSON file")
@@ -155,6 +157,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    run_started = time.perf_counter()
     variants = {name: (None if name == "default" else int(name)) for name in args.loader_threads.split(",")}
     headline = next(iter(variants))
     ceiling_threads = [int(n) for n in args.ceiling_threads.split(",")]
@@ -192,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             reader = ObstoreRangeReader(url, {})
             clients = bare_clients(reader)
             for repeat in range(args.repeats):
+                repeat_started = time.perf_counter()
                 names = list(variants)
                 for name in names[repeat % len(names):] + names[: repeat % len(names)]:  # each in every position
                     threads = variants[name]
@@ -210,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
                         bare["tokens_per_s"] = tokens / bare["seconds"]
                         ceiling_runs.setdefault(f"{client}-{threads}", []).append(bare)
                 print(f"repeat {repeat}: ceiling " + ", ".join(f"{k} {v[-1]['tokens_per_s']:,.0f}" for k, v in ceiling_runs.items()), flush=True)
+                now = time.perf_counter()
+                if args.deadline_s is not None and now - run_started + (now - repeat_started) > args.deadline_s:
+                    report["stopped_early"] = f"after {repeat + 1} repeats: another would end past --deadline-s {args.deadline_s:g}"
+                    break
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -220,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         write_results(args.out, report)
     if args.cluster_json:
-        merge_cluster_keys(Path(args.cluster_json), report, args.out)
+        cluster = Path(args.cluster_json)
+        merge_cluster_keys(cluster, report, os.path.relpath(args.out, cluster.parent) if args.out else None)
     return 0
 
 
@@ -277,7 +286,8 @@ def print_summary(report: dict[str, Any]) -> None:
 
 
 def merge_cluster_keys(path: Path, report: dict[str, Any], details: str | None) -> None:
-    """Issue 32's object-storage keys into ``path`` (the cluster results), its other keys kept."""
+    """Issue 32's object-storage keys into ``path`` (the cluster results), its other keys kept;
+    ``details``: the full results' path relative to it."""
     s = report["summary"]
     merged = json.loads(path.read_text()) if path.exists() else {}
     merged.update({key: s[key] for key in ("s3_latency_ms", "loader_tokens_per_s", "endpoint_ceiling_tokens_per_s", "trainers_fed_per_process")})
