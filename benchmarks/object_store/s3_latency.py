@@ -103,6 +103,7 @@ def read_with_loader(url: str, settings: dict[str, Any], epochs: int) -> dict[st
         "steady_tokens_per_s": (tokens - first_tokens) / max(1e-9, seconds - first),
         "read_threads": loader.read_threads,
         "prefetch_batches": loader.prefetch_batches,
+        "buffer_sets_allocated": loader._buffers.num_allocated,  # fresh batch buffers: page faults, once per loader
         "gets": len(ranges),
         "get_bytes": sum(end - start for _, start, end in ranges),
         "ranges": ranges,

@@ -5,7 +5,7 @@
 | backend | URLs | reads | publishes | committers serialise on |
 |---|---|---|---|---|
 | :class:`LocalBackend` | paths, ``file://`` | ``preadv`` into the caller's buffers | temp + ``rename``; shard folders renamed into place | ``flock`` on ``manifest.lock`` |
-| :class:`S3Backend` | ``s3://`` (s3fs) | obstore ranged GETs, outside the GIL | one PUT | conditional PUTs (``If-Match`` / ``If-None-Match``) |
+| :class:`S3Backend` | ``s3://`` (s3fs) | obstore ranged GETs, outside the GIL, streamed into the caller's buffers | one PUT | conditional PUTs (``If-Match`` / ``If-None-Match``) |
 | :class:`MemoryBackend` | ``memory://`` | fsspec | one write | a lock of the process |
 | :class:`FsspecBackend` | anything else fsspec opens (``gs://`` ...) | fsspec ranged reads | one PUT | a re-read just before the PUT |
 

@@ -128,8 +128,8 @@ class LoaderConfig(RecipeModel):
     read_threads: int | None = Field(
         default=None,
         gt=0,
-        description="token-range reads in flight per loader; default 4 for a local store, 16 for object "
-        "storage (more requests in flight hide its latency)",
+        description="token-range reads in flight per loader; default 4 for a local store, 64 for object "
+        "storage (requests in flight hide its latency and its rate per connection)",
     )
     prefetch_batches: int | None = Field(
         default=None,

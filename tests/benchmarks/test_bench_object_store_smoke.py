@@ -33,11 +33,11 @@ def test_quick_run_measures_every_read_path(tmp_path: Path) -> None:
 
 def test_tiny_run_times_every_phase_and_restores_the_reader(tmp_path: Path) -> None:
     import hsstore.format.array_reader as array_reader
-    import hsstore.storage.base as storage_base
     from benchmarks import bench_object_store
+    from hsstore.read_cache import Scatter
     from hsstore.storage import S3Backend
 
-    plain = (storage_base.scatter, array_reader.crc32c_bytes, S3Backend.read_range)
+    plain = (Scatter.write, array_reader.crc32c_bytes, S3Backend.read_range, S3Backend.read_range_into)
     out = tmp_path / "profile.json"
     environ = dict(os.environ)
     try:  # the benchmark exports its endpoint's AWS_* variables, as a script may
@@ -56,4 +56,38 @@ def test_tiny_run_times_every_phase_and_restores_the_reader(tmp_path: Path) -> N
         assert s3["tokens"] == local["tokens"] > 0
         assert set(s3["phases"]["calls"]) == {"get", "copy", "crc32c"}
         assert s3["phases"]["calls"]["copy"] > 0 and s3["phases"]["seconds"]["get"] > 0
-    assert (storage_base.scatter, array_reader.crc32c_bytes, S3Backend.read_range) == plain
+    assert (Scatter.write, array_reader.crc32c_bytes, S3Backend.read_range, S3Backend.read_range_into) == plain
+
+
+def test_s3_latency_measures_the_loader_and_the_ceiling_and_merges_the_cluster_keys(tmp_path: Path) -> None:
+    """The ``s3-latency`` mode at a tiny size: the loader and the bare GETs of the same ranges in one
+    run, their ratio, and issue 32's keys merged into an existing results file whose other keys stay."""
+    from benchmarks import bench_object_store
+    from benchmarks.object_store.s3_latency import ObstoreRangeReader
+
+    plain = (ObstoreRangeReader.read, ObstoreRangeReader.read_into)
+    out, cluster = tmp_path / "s3-latency.json", tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({"nodes": 3, "node_kill": {"samples_in_store": 58}}))
+    environ = dict(os.environ)
+    try:
+        argv = ["--hidden", "64", "--tokens", "4096", "--repeats", "1", "--latency-ms", "5", "--loader-threads", "default,2",
+                "--ceiling-threads", "2,4", "--out", str(out), "--cluster-json", str(cluster)]
+        assert bench_object_store.main(["s3-latency", *argv]) == 0
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        s3fs.S3FileSystem.clear_instance_cache()
+    report, merged = json.loads(out.read_text()), json.loads(cluster.read_text())
+    summary = report["summary"]
+    assert set(summary["ceilings_tokens_per_s"]) == {"get_range-2", "get_range-4", "streamed-2", "streamed-4"}
+    assert summary["endpoint_ceiling_tokens_per_s"] == max(summary["ceilings_tokens_per_s"].values())
+    assert summary["loaders"]["default"]["read_threads"] == 64 and summary["loaders"]["2"]["read_threads"] == 2
+    assert summary["loader_share_of_ceiling"] == round(summary["loader_tokens_per_s"] / summary["endpoint_ceiling_tokens_per_s"], 3)
+    (run,) = report["loader_runs"]["default"]
+    (bare,) = report["ceiling_runs"]["get_range-2"]
+    assert run["get_bytes"] == bare["bytes"] > 0  # the same GETs, bare
+    assert merged["nodes"] == 3 and merged["node_kill"] == {"samples_in_store": 58}
+    assert merged["loader_tokens_per_s"] == summary["loader_tokens_per_s"] and merged["s3_latency_ms"] == 5
+    assert merged["trainers_fed_per_process"] == round(summary["loader_tokens_per_s"] / 25_000, 2)
+    assert merged["s3_latency"]["details"] == "s3-latency.json"
+    assert (ObstoreRangeReader.read, ObstoreRangeReader.read_into) == plain

@@ -23,6 +23,11 @@ moto's state. From then on the endpoint is read-only (a write would reach one co
 refused with 405 and a message saying why), and the request counts are kept in shared memory across
 the N processes. The objects are kept in memory, not in moto's spill files (whose file offsets the
 forked processes would share).
+
+``MotoS3(latency_ms=L)`` or :meth:`MotoS3.set_latency` makes every S3 request wait L ms (a distant
+endpoint's first-byte latency; all processes of a frozen endpoint share the setting), and
+:meth:`MotoS3.load` puts a local folder's files into a bucket from the server process itself, which
+takes seconds where an upload through the endpoint's multipart requests took minutes.
 """
 
 from __future__ import annotations
