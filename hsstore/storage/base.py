@@ -40,8 +40,9 @@ HASH_BLOCK = 8 << 20
 # with ~10 MB GETs that is 25 for the latency alone, and S3's ~100 MB/s per connection adds 50
 # (AWS: scale connections, fetch byte ranges in parallel). So 64, whatever the latency between
 # 10 and 50 ms: a thread waiting on a GET costs no CPU, and its bytes land straight in the batches
-# read ahead (no buffer per request). Measured against moto with 20 ms per request
-# (benchmarks/RESULTS.md, "Object storage with latency", issue 32); before: 16, tuned on loopback.
+# read ahead (no buffer per request). Before: 16, chosen on loopback (no latency). Against moto with
+# 10-50 ms per request on 2 cores, where the CPU is the limit, 64 read as much as 16 or more
+# (`bench_object_store s3-latency`; benchmarks/RESULTS.md, "Object storage with latency").
 LOCAL_READ_THREADS = 4
 REMOTE_READ_THREADS = 64
 # Shards `hsstore verify` checks at once on object storage (each holds an 8 MB block in flight).
