@@ -313,23 +313,15 @@ def log_interval(steps: int) -> int:
 def stage_heldout(args: argparse.Namespace) -> None:
     """Per-depth accuracy of every trained draft on the held-out store (hsstore's offline proxy,
     the same code for both drafts)."""
-    import torch
-
-    from pipelines.evaluate.proxy import offline_proxy
-    from pipelines.evaluate.recipe import ProxyConfig
-    from pipelines.models.checkpoint import load_draft
-    from pipelines.train.target_heads import load_target_heads
+    from benchmarks.evaluate.acceptance import heldout_accuracy
 
     paths = reference_paths(args)
-    device = torch.device(args.eval_device)
-    embed = load_target_heads(args.target).embed_tokens_VH.to(torch.float32)
-    config = ProxyConfig(store=str(paths["heldout_store"]), fraction=1.0, max_samples=args.heldout_samples, ttt_length=7)
     for result_file in sorted(paths["work"].glob("train-*-*.json")):
         result = json.loads(result_file.read_text())
-        draft = load_draft(result["export_dir"], device=device, dtype=torch.float32, embed_tokens=embed).eval()
-        with torch.no_grad():
-            proxy = offline_proxy(draft, config, args.target, [], device)
-        result["heldout_acc"] = proxy["accuracy_per_depth"]
+        result["heldout_acc"] = heldout_accuracy(
+            Path(result["export_dir"]), store=paths["heldout_store"], target=Path(args.target),
+            device=args.eval_device, max_samples=args.heldout_samples,
+        )
         result_file.write_text(json.dumps(result))
         print(result["trainer"], result["seed"], [round(a, 4) for a in result["heldout_acc"]], flush=True)
 

@@ -105,19 +105,10 @@ def heldout_accuracy(args: argparse.Namespace, checkpoint: Path) -> list[float] 
     """Per-depth TTT accuracy on the held-out store (None when there is none)."""
     if args.heldout_store is None or not (args.heldout_store / "manifest.json").exists():
         return None
-    import torch
+    from benchmarks.evaluate.acceptance import heldout_accuracy as proxy_accuracy
 
-    from pipelines.evaluate.proxy import offline_proxy
-    from pipelines.evaluate.recipe import ProxyConfig
-    from pipelines.models.checkpoint import load_draft
-    from pipelines.train.target_heads import load_target_heads
-
-    device = torch.device(args.device)
-    embed = load_target_heads(args.target).embed_tokens_VH.to(torch.float32)
-    draft = load_draft(checkpoint, device=device, dtype=torch.float32, embed_tokens=embed).eval()
-    config = ProxyConfig(store=str(args.heldout_store), fraction=1.0, max_samples=HELDOUT_SAMPLES, ttt_length=7)
-    with torch.no_grad():
-        return offline_proxy(draft, config, args.target, [], device)["accuracy_per_depth"]
+    return proxy_accuracy(checkpoint, store=args.heldout_store, target=Path(args.target), device=args.device,
+                          max_samples=HELDOUT_SAMPLES)
 
 
 def stage_train(args: argparse.Namespace) -> dict[str, Any]:
