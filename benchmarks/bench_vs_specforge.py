@@ -291,7 +291,7 @@ def stage_train(args: argparse.Namespace, trainer: str) -> None:
             result = {"tokens_per_s": summary["tokens_per_s"], "train_seconds": summary["wall_s"],
                       "final_loss": summary["final_loss"], "steps": hp["steps"], "export_dir": str(export)}
         else:
-            vocab = paths["work"] / "hsstore-seed0-export"
+            vocab = vocab_export(paths["work"])
             sf = train_specforge(
                 paths["features"], vocab / "config.json", vocab, target, out,
                 steps=hp["steps"], lr=hp["lr"], warmup_steps=hp["warmup_steps"], min_lr_ratio=hp["min_lr_ratio"],
@@ -303,6 +303,27 @@ def stage_train(args: argparse.Namespace, trainer: str) -> None:
         result.update(seed=seed, trainer=trainer, concurrent=args.concurrent)
         (paths["work"] / f"train-{trainer}-{seed}.json").write_text(json.dumps(result))
         print(json.dumps(result), flush=True)
+
+
+def vocab_export(work: Path) -> Path:
+    """hsstore's export whose ``config.json`` and ``d2t``/``t2d`` SpecForge is handed. The draft
+    vocabulary is counted from the store, so every hsstore run on it exports the same map; the
+    first one found is used (``--stage vocab`` makes one without a full run, so that SpecForge
+    need not wait for hsstore's training)."""
+    for name in ("vocab-export", "hsstore-seed0-export", "hsstore_equal_steps-seed0-export"):
+        if (work / name / "config.json").exists():
+            return work / name
+    raise FileNotFoundError(f"{work}: no hsstore export to take the draft vocabulary from; run --stage vocab first")
+
+
+def stage_vocab(args: argparse.Namespace) -> Path:
+    """One hsstore step on the training store, exported: the draft config and vocabulary for
+    SpecForge (its weights are not used)."""
+    paths = reference_paths(args)
+    out = paths["work"] / "vocab-run"
+    hp = hyperparameters(args, 1)
+    train_hsstore(str(paths["train_store"]), Path(args.target), out, 0, hp, args.device)
+    return export_eagle3(out, paths["work"] / "vocab-export")
 
 
 def log_interval(steps: int) -> int:
@@ -318,6 +339,8 @@ def stage_heldout(args: argparse.Namespace) -> None:
     paths = reference_paths(args)
     for result_file in sorted(paths["work"].glob("train-*-*.json")):
         result = json.loads(result_file.read_text())
+        if "heldout_acc" in result and not args.redo:
+            continue
         result["heldout_acc"] = heldout_accuracy(
             Path(result["export_dir"]), store=paths["heldout_store"], target=Path(args.target),
             device=args.eval_device, max_samples=args.heldout_samples,
@@ -580,7 +603,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-STAGES = ("all", "prepare", "train-hsstore", "train-specforge", "heldout", "decode", "report")
+STAGES = ("all", "prepare", "vocab", "train-hsstore", "train-specforge", "heldout", "decode", "report")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -596,6 +619,8 @@ def main(argv: list[str] | None = None) -> int:
         if stage == "prepare":
             plan = stage_prepare(args)
             print(json.dumps({k: v for k, v in plan.items() if k != "orders"}), flush=True)
+        elif stage == "vocab":
+            print(stage_vocab(args), flush=True)
         elif stage.startswith("train-"):
             stage_train(args, stage.removeprefix("train-"))
         elif stage == "heldout":
