@@ -1,10 +1,11 @@
 """Tokenizing records in a pool of processes, in order, for the streaming planner.
 
-The pool's processes come from a fork server that has imported transformers (and with it torch)
-once: each worker shares those pages with it instead of paying ~250 MB of its own, so memory grows
-by little more than a tokenizer per core. The server is a fresh process, not a fork of the driver,
-so it inherits neither Ray's threads nor the driver's tokenizer state. This module stays light for
-the workers: no model code, no store code.
+The pool's processes come from a fork server that has imported the tokenizer's module once (its
+class's own module, or AutoTokenizer's, which brings torch: see tokenizer_loader): each worker
+shares those pages with it instead of paying for its own, so memory grows by little more than a
+tokenizer per core. The server is a fresh process, not a fork of the driver, so it inherits neither
+Ray's threads nor the driver's tokenizer state. This module stays light for the workers: no model
+code, no store code.
 """
 
 from __future__ import annotations
@@ -18,13 +19,8 @@ from typing import Any
 from pipelines.extract.recipe import ExtractRecipe
 from pipelines.extract.records import Rejection
 from pipelines.extract.tokenize import SampleTokenizer
+from pipelines.extract.tokenizer_loader import load_tokenizer, tokenizer_module
 from pipelines.target_identity import chat_template_sha256, tokenizer_sha256
-
-
-def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def make_sample_tokenizer(recipe: ExtractRecipe, tokenizer_dir: str) -> SampleTokenizer:
@@ -93,7 +89,7 @@ class BlockTokenizer:
     def _ensure_pool(self) -> ProcessPoolExecutor:
         if self._pool is None:
             context = multiprocessing.get_context("forkserver")
-            context.set_forkserver_preload(["pipelines.extract.tokenizer_pool", "transformers.models.auto.tokenization_auto"])
+            context.set_forkserver_preload(["pipelines.extract.tokenizer_pool", tokenizer_module(self.tokenizer_dir)])
             self._pool = ProcessPoolExecutor(
                 self.num_workers,
                 mp_context=context,
