@@ -49,7 +49,7 @@ from typing import Any
 import hsstore
 from benchmarks.bench_object_store import FEATURES, write_store
 from benchmarks.common import machine_info, write_results
-from hsstore.storage.s3_reads import STREAM_PIECE_BYTES, ObstoreRangeReader
+from hsstore.storage.s3_reads import BODIES, BODY_ENV_VAR, STREAM_PIECE_BYTES, ObstoreRangeReader, configured_body
 from tests.support.s3 import MotoS3
 
 # What one H200 trains per second on the Qwen3-8B shape (issue 32: ~25-32k tokens/s; the low end).
@@ -135,6 +135,30 @@ def replay(read: Callable[[_Range], int], ranges: list[_Range], threads: int) ->
     return {"seconds": seconds, "bytes": nbytes, "mb_per_s": nbytes / seconds / 1e6}
 
 
+def loader_variant(name: str) -> tuple[int | None, str | None]:
+    """``THREADS[/BODY]`` (``default``, ``16``, ``default/stream``...): read_threads (None: the
+    loader's own) and HSSTORE_S3_BODY (None: the default)."""
+    threads, _, body = name.partition("/")
+    if body and body not in BODIES:
+        raise SystemExit(f"--loader-threads {name!r}: body {body!r} is not one of {', '.join(BODIES)}")
+    return (None if threads == "default" else int(threads)), (body or None)
+
+
+@contextlib.contextmanager
+def body_handling(body: str | None) -> Iterator[None]:
+    """HSSTORE_S3_BODY set to ``body`` for the readers built inside the block."""
+    before = os.environ.get(BODY_ENV_VAR)
+    if body is not None:
+        os.environ[BODY_ENV_VAR] = body
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(BODY_ENV_VAR, None)
+        else:
+            os.environ[BODY_ENV_VAR] = before
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--latency-ms", type=float, default=20.0, help="wait added to every S3 request (after the upload)")
@@ -144,7 +168,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--token-budget", type=int, default=4096)
     parser.add_argument("--epochs", type=int, default=1, help="epochs per loader run")
     parser.add_argument("--loader-threads", default="default",
-                        help="read_threads of the loader runs, comma-separated ('default': the loader's own for s3://); the first is the headline")
+                        help="loader runs, comma-separated THREADS[/BODY]: read_threads ('default': the loader's own for s3://) and "
+                             "HSSTORE_S3_BODY (whole or stream; unset: whole), e.g. default,16,default/stream; the first is the headline")
     parser.add_argument("--prefetch-batches", type=int, default=None, help="override the loader's default read-ahead")
     parser.add_argument("--ceiling-threads", default="16,32,64", help="concurrent bare GETs, comma-separated")
     parser.add_argument("--repeats", type=int, default=3)
@@ -159,7 +184,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     run_started = time.perf_counter()
-    variants = {name: (None if name == "default" else int(name)) for name in args.loader_threads.split(",")}
+    variants = {name: loader_variant(name) for name in args.loader_threads.split(",")}
     headline = next(iter(variants))
     ceiling_threads = [int(n) for n in args.ceiling_threads.split(",")]
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-s3-latency-"))
@@ -199,10 +224,12 @@ def main(argv: list[str] | None = None) -> int:
                 repeat_started = time.perf_counter()
                 names = list(variants)
                 for name in names[repeat % len(names):] + names[: repeat % len(names)]:  # each in every position
-                    threads = variants[name]
+                    threads, body = variants[name]
                     settings = {**base, **({} if threads is None else {"read_threads": threads})}
                     s3.requests(reset=True)
-                    run = read_with_loader(url, settings, args.epochs)
+                    with body_handling(body):
+                        run = read_with_loader(url, settings, args.epochs)
+                    run["body"] = body or configured_body()
                     run["requests"] = s3.requests(reset=True)
                     ranges = run.pop("ranges")
                     loader_runs[name].append(run)
@@ -247,6 +274,7 @@ def summarize(loader_runs: dict[str, list[dict[str, Any]]], ceiling_runs: dict[s
             "first_batch_s": round(med(runs, "first_batch_s"), 3),
             "share_of_ceiling": round(med(runs, "tokens_per_s") / ceilings[best], 3),
             "read_threads": runs[0]["read_threads"],
+            "body": runs[0].get("body"),
             "prefetch_batches": runs[0]["prefetch_batches"],
             "gets_per_run": int(med(runs, "gets")),
             "mean_get_bytes": round(med(runs, "get_bytes") / max(1, med(runs, "gets"))),

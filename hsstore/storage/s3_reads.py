@@ -56,6 +56,21 @@ CREDENTIALS_TTL = timedelta(minutes=5)
 # A streamed GET body is copied into place in pieces of at least this size: large enough that the
 # per-piece Python work is small against the copy, small enough to stay in the CPU's cache.
 STREAM_PIECE_BYTES = 1 << 20
+# How the loader's GET bodies reach the batch (``HSSTORE_S3_BODY``, read when a reader is built):
+# ``whole``: the body received by obstore outside the GIL, then one copy into place; ``stream``:
+# copied piece by piece as it arrives (no whole-range buffer, ~15% less CPU per GB, but one GIL
+# round trip per piece). On the 16-core GPU host at 20 ms, 32 bare GETs in flight moved 261k
+# tokens/s whole against 135k streamed (benchmarks/RESULTS.md, issue 32): ``whole`` by default.
+BODY_ENV_VAR = "HSSTORE_S3_BODY"
+BODIES = ("whole", "stream")
+
+
+def configured_body() -> str:
+    """The body handling the environment asks for (``whole`` when unset)."""
+    body = os.environ.get(BODY_ENV_VAR, "whole").strip().lower() or "whole"
+    if body not in BODIES:
+        raise ValueError(f"{BODY_ENV_VAR}={body!r}: expected one of {', '.join(BODIES)}")
+    return body
 
 
 def configured_reader() -> str:
@@ -98,6 +113,7 @@ class ObstoreRangeReader:
         self.storage_options = dict(storage_options)
         self.fs = fs
         self.config = _s3_config(storage_options)
+        self.body = configured_body()
         self._stores: dict[str, Any] = {}
         self._lock = threading.Lock()
 
@@ -134,11 +150,13 @@ class ObstoreRangeReader:
             return memoryview(obstore.get_range(self._store(bucket), key, start=start, end=end))
 
     def read_into(self, path: str, start: int, buffers: list[Any]) -> int:
-        """The bytes from ``start`` over the writable ``buffers``, one after another, copied as the
-        body arrives (pieces of :data:`STREAM_PIECE_BYTES`); returns how many bytes came (fewer than
-        the buffers hold: the object ended). Unlike :meth:`read`, no buffer of the whole range is
-        built first: that copy and the page faults of a fresh ~10 MB buffer per GET were a third
-        of the loader's CPU time per byte (benchmarks/RESULTS.md, issue 32)."""
+        """The bytes from ``start`` over the writable ``buffers``, one after another; returns how
+        many bytes came (fewer than the buffers hold: the object ended). ``self.body`` (see
+        :data:`BODY_ENV_VAR`): ``whole`` receives the body outside the GIL and copies it once;
+        ``stream`` copies it as it arrives (pieces of :data:`STREAM_PIECE_BYTES`), building no
+        buffer of the whole range (that copy and the page faults of a fresh ~10 MB buffer per GET
+        were a third of the loader's CPU time per byte on the 2-core VM), at one GIL round trip per
+        piece, which many reader threads queue on (benchmarks/RESULTS.md, issue 32)."""
         import obstore
 
         filler = Scatter(buffers)
@@ -148,8 +166,11 @@ class ObstoreRangeReader:
         end = start + filler.nbytes
         with _named_errors(path, start, end):
             result = obstore.get(self._store(bucket), key, options={"range": (start, end)})
-            for piece in result.stream(min_chunk_size=STREAM_PIECE_BYTES):
-                filler.write(piece)
+            if self.body == "whole":
+                filler.write(memoryview(result.bytes()))
+            else:
+                for piece in result.stream(min_chunk_size=STREAM_PIECE_BYTES):
+                    filler.write(piece)
         return filler.received
 
 

@@ -65,7 +65,8 @@ def torch_free_tokenizer_class(path: str) -> type[Any] | None:
     # ``Qwen2Tokenizer`` was the slow one).
     if int(transformers.__version__.split(".")[0]) < 5:
         return None
-    return getattr(transformers, name)
+    # A release without the class under that name: let AutoTokenizer choose.
+    return getattr(transformers, name, None)
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:

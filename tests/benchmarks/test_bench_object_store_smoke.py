@@ -70,7 +70,7 @@ def test_s3_latency_measures_the_loader_and_the_ceiling_and_merges_the_cluster_k
     cluster.write_text(json.dumps({"nodes": 3, "node_kill": {"samples_in_store": 58}}))
     environ = dict(os.environ)
     try:
-        argv = ["--hidden", "64", "--tokens", "4096", "--repeats", "1", "--latency-ms", "5", "--loader-threads", "default,2",
+        argv = ["--hidden", "64", "--tokens", "4096", "--repeats", "1", "--latency-ms", "5", "--loader-threads", "default,2/stream",
                 "--ceiling-threads", "2,4", "--out", str(out), "--cluster-json", str(cluster)]
         assert bench_object_store.main(["s3-latency", *argv]) == 0
     finally:
@@ -81,7 +81,9 @@ def test_s3_latency_measures_the_loader_and_the_ceiling_and_merges_the_cluster_k
     summary = report["summary"]
     assert set(summary["ceilings_tokens_per_s"]) == {"get_range-2", "get_range-4", "streamed-2", "streamed-4"}
     assert summary["endpoint_ceiling_tokens_per_s"] == max(summary["ceilings_tokens_per_s"].values())
-    assert summary["loaders"]["default"]["read_threads"] == 64 and summary["loaders"]["2"]["read_threads"] == 2
+    assert summary["loaders"]["default"]["read_threads"] == 64 and summary["loaders"]["2/stream"]["read_threads"] == 2
+    # The GET bodies whole by default; the variant streamed them (HSSTORE_S3_BODY, restored after).
+    assert summary["loaders"]["default"]["body"] == "whole" and summary["loaders"]["2/stream"]["body"] == "stream"
     assert summary["loader_share_of_ceiling"] == round(summary["loader_tokens_per_s"] / summary["endpoint_ceiling_tokens_per_s"], 3)
     (run,) = report["loader_runs"]["default"]
     (bare,) = report["ceiling_runs"]["get_range-2"]

@@ -331,21 +331,22 @@ def test_read_cache_reads_a_hit_straight_into_buffers_and_checks_it(tmp_path: Pa
 # -- The range reader (hsstore.storage.s3_reads): obstore by default on s3://, fsspec where it cannot be --
 
 
-@pytest.mark.parametrize("endpoint_from", ["environment", "storage_options"])
+@pytest.mark.parametrize(("endpoint_from", "body"), [("environment", "whole"), ("storage_options", "whole"), ("environment", "stream")])
 def test_obstore_reader_gives_the_same_batches_as_local(
-    stores: tuple[str, str], s3: Any, monkeypatch: pytest.MonkeyPatch, endpoint_from: str
+    stores: tuple[str, str], s3: Any, monkeypatch: pytest.MonkeyPatch, endpoint_from: str, body: str
 ) -> None:
     pytest.importorskip("obstore")
     from hsstore.storage import StoreLocation
 
     local, url = stores
     monkeypatch.setenv("HSSTORE_RANGE_READER", "obstore")
+    monkeypatch.setenv("HSSTORE_S3_BODY", body)  # GET bodies copied whole, or streamed piece by piece
     options: dict[str, Any] = {}
     if endpoint_from == "storage_options":
         monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
         options = {"client_kwargs": {"endpoint_url": s3.endpoint}}
     location = StoreLocation(url, options)
-    assert location._range_reader is not None
+    assert location._range_reader is not None and location._range_reader.body == body
     # Rebuilt from the URL and options in another process (Ray, DataLoader workers): reader included.
     assert pickle.loads(pickle.dumps(location))._range_reader is not None
     expected = [_snapshot(b) for b in hsstore.StreamingLoader(local, FEATURES, **_settings()).batches(max_epochs=2)]

@@ -100,14 +100,19 @@ def test_a_worker_node_killed_mid_run_then_back_leaves_the_unbroken_store(
     victim, survivor = cluster.workers
     victim_id, survivor_id = cluster.ray_node_id(victim), cluster.ray_node_id(survivor)
     cluster.kill_node(victim)  # its raylet, object store and actor, SIGKILLed together
+    # A unit counts for the node whose result reached the driver, after its commit: whatever the
+    # victim is credited with was committed before it died, so it is in this listing.
+    committed_at_kill = len(run.committed_ids())
     summary = run.finish(driver)  # the actor restarts on the other node, its units retried there
     assert len(committed) < reference_summary["num_units"], "the kill landed after the last commit"
-    # The victim's actor was restarted on the survivor, which ran its units from then on.
+    # The victim's actor was restarted on the survivor, which ran every unit from then on (how
+    # many the victim ran before that depends on the machine's load, not on the recovery).
     by_node = summary["units_by_node"]
     assert (
         set(by_node) <= {victim_id, survivor_id} and sum(by_node.values()) == summary["num_units"]
     )
-    assert by_node[survivor_id] > by_node.get(victim_id, 0), by_node
+    assert by_node.get(victim_id, 0) <= committed_at_kill, (by_node, committed_at_kill)
+    assert by_node[survivor_id] >= summary["num_units"] - committed_at_kill, (by_node, committed_at_kill)
     assert verify_store(run.location) == []
     assert run.content() == reference
 

@@ -458,6 +458,12 @@ class ClusterRun:
     def content(self) -> dict[str, tuple[int, str]]:
         return store_content(self.url, self.options)
 
+    def committed_ids(self) -> list[str]:
+        """The shards the store's manifest names right now (a run in progress included)."""
+        from hsstore import committed_shard_ids
+
+        return sorted(committed_shard_ids(self.location))
+
     def shards(self) -> list[Any]:
         import hsstore
 
