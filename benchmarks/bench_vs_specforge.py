@@ -176,10 +176,12 @@ def median_and_spread(values: list[float]) -> tuple[float, list[float]]:
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over seeds, the spread [min, max] beside each, and every run kept."""
     out: dict[str, Any] = {}
-    for key in ("al_chain5_t0", "al_tree_t0", "al_tree_t1", "tokens_per_s"):
+    for key in ("al_chain5_t0", "al_tree_t0", "al_tree_t1", "tokens_per_s", "tokens_per_s_concurrent"):
         values = [r[key] for r in runs if r.get(key) is not None]
         if values:
             out[key], out[f"{key}_spread"] = median_and_spread(values)
+    # No run alone on its device: no clean speed to report (the concurrent figure stays beside it).
+    out.setdefault("tokens_per_s", None)
     depths = len(runs[0]["heldout_acc"])
     out["heldout_acc"] = [statistics.median(r["heldout_acc"][d] for r in runs) for d in range(depths)]
     out["heldout_acc_spread"] = [[min(r["heldout_acc"][d] for r in runs), max(r["heldout_acc"][d] for r in runs)] for d in range(depths)]
