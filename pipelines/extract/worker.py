@@ -1,14 +1,12 @@
 """The extraction worker: owns the target model and turns work units into shards.
 
 One worker per GPU (a Ray actor) or one in process (the local executor): the same class either
-way, so a profile of the in-process run is a profile of what the actors do. A unit is written as
-one shard with a deterministic id (``units.unit_shard_id``); the shard's files go to their own
-attempt folder and only the driver's manifest commit makes them visible (hsstore's ShardWriter
-contract).
-
-The worker's other concerns live beside it: the unit types (units.py, torch-free), loading the
-target (target.py), the start-up warm-up (warm_up.py), isolating a record the target raises on
-(isolation.py) and the GPU's own timing of the forwards (gpu_timing.py).
+way, so a profile of the in-process run is a profile of what the actors do. A unit is one shard
+with a deterministic id (``units.unit_shard_id``), written to its own attempt folder; only the
+driver's manifest commit makes it visible (hsstore's ShardWriter contract). The worker's other
+concerns live beside it: the unit types (units.py, torch-free), loading the target (target.py),
+the warm-up (warm_up.py), isolating a record the target raises on (isolation.py) and the GPU's
+own timing of the forwards (gpu_timing.py).
 """
 
 from __future__ import annotations
