@@ -24,13 +24,21 @@ from hsstore.errors import HsstoreError
 from pipelines.extract.errors import ExtractionError
 from pipelines.extract.recipe import RaySection
 from pipelines.extract.units import WorkUnit
-from pipelines.extract.worker import ExtractionWorker
 
 logger = logging.getLogger(__name__)
 
 ResultCallback = Callable[[Any], None]  # UnitResult for extraction
 # Units a worker holds at once: one running forwards, one finishing its shard (worker.run_unit).
 UNITS_IN_FLIGHT = 2
+
+
+def extraction_worker(spec: Any) -> Any:
+    """The default worker, imported where it is built: the worker module imports torch, which the
+    driver of a Ray run never needs (seconds on its start's critical path; the actors import it
+    while the driver plans)."""
+    from pipelines.extract.worker import ExtractionWorker
+
+    return ExtractionWorker(spec)
 
 
 class LocalExecutor:
@@ -44,7 +52,7 @@ class LocalExecutor:
     """
 
     def __init__(
-        self, spec: Any, worker: Any | None = None, worker_class: Callable[[Any], Any] = ExtractionWorker
+        self, spec: Any, worker: Any | None = None, worker_class: Callable[[Any], Any] = extraction_worker
     ):
         from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -99,7 +107,7 @@ class LocalExecutor:
 class _WorkerActor:
     """The Ray actor: a worker that lives as long as the actor (the model stays loaded)."""
 
-    def __init__(self, spec: Any, worker_class: Callable[[Any], Any] = ExtractionWorker):
+    def __init__(self, spec: Any, worker_class: Callable[[Any], Any] = extraction_worker):
         self.worker = worker_class(spec)
 
     def run_unit(self, unit: Any) -> tuple[str, Any]:
@@ -130,7 +138,7 @@ class RayExecutor:
         self,
         spec: Any,
         settings: RaySection,
-        worker_class: Callable[[Any], Any] = ExtractionWorker,
+        worker_class: Callable[[Any], Any] = extraction_worker,
         job: str = "extraction",
     ):
         try:

@@ -124,3 +124,17 @@ def test_with_torch_installed_planning_does_not_import_it(tmp_path: Path) -> Non
     assert report["model_side_loaded"] == []
     assert report["torch_importers"] == [], report["torch_importers"]
     assert report["torch_imported"] is False
+
+
+def test_the_driver_of_a_ray_run_imports_no_torch() -> None:
+    """The executors name the worker without importing it (its module imports torch): Ray's actors
+    import it in their own processes while the driver plans, so torch's import is off the start's
+    critical path. The in-process executor imports it on its worker-building thread."""
+    code = (
+        "import sys\n"
+        "import pipelines.extract.driver, pipelines.extract.executors, pipelines.extract.unit_runner\n"
+        "from pipelines.extract.executors import RayExecutor, extraction_worker\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
