@@ -1,8 +1,9 @@
 """The architecture's size and layering rules (issue 29), checked so that they stay true:
 
 - no module of ``hsstore/`` or ``pipelines/`` over 400 lines, no function over 80;
-- only ``hsstore/storage/`` asks which backend a location is (``is_local``);
 - ``hsstore/`` never imports the pipelines.
+
+(Only ``hsstore/storage/`` asking which backend a location is: tests/hsstore/test_storage_boundary.py.)
 """
 
 from __future__ import annotations
@@ -39,16 +40,6 @@ def test_no_function_over_80_lines() -> None:
                 if lines > MAX_FUNCTION_LINES:
                     long[f"{path.relative_to(REPO_ROOT)}:{node.lineno} {node.name}"] = lines
     assert long == {}
-
-
-def test_only_the_storage_backends_ask_which_backend_a_location_is() -> None:
-    storage = REPO_ROOT / "hsstore" / "storage"
-    askers = [
-        str(p.relative_to(REPO_ROOT))
-        for p in modules(*PACKAGES)
-        if storage not in p.parents and "is_local" in p.read_text()
-    ]
-    assert askers == []
 
 
 def test_the_store_library_never_imports_the_pipelines() -> None:
