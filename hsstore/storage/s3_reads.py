@@ -65,20 +65,22 @@ BODY_ENV_VAR = "HSSTORE_S3_BODY"
 BODIES = ("whole", "stream")
 
 
+def _env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """The environment variable ``name``, one of ``choices`` (the first when unset or empty)."""
+    value = os.environ.get(name, "").strip().lower() or choices[0]
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(choices)}")
+    return value
+
+
 def configured_body() -> str:
     """The body handling the environment asks for (``whole`` when unset)."""
-    body = os.environ.get(BODY_ENV_VAR, "whole").strip().lower() or "whole"
-    if body not in BODIES:
-        raise ValueError(f"{BODY_ENV_VAR}={body!r}: expected one of {', '.join(BODIES)}")
-    return body
+    return _env_choice(BODY_ENV_VAR, BODIES)
 
 
 def configured_reader() -> str:
     """The reader the environment asks for (``auto`` when unset)."""
-    reader = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    if reader not in READERS:
-        raise ValueError(f"{ENV_VAR}={reader!r}: expected one of {', '.join(READERS)}")
-    return reader
+    return _env_choice(ENV_VAR, READERS)
 
 
 def remote_range_reader(url: str, storage_options: dict[str, Any], *, on_s3: bool, fs: Any) -> ObstoreRangeReader | None:
