@@ -230,7 +230,12 @@ class FlexTTTAttention(_KeysByDepth):
 
     Built once per batch: block-level document and position ranges are computed here, each depth's
     block mask in ``attend`` from them (tensors of [B, T/128, L*T/128] entries, no T x T work).
-    ``compiled=False`` runs flex's eager reference path (CPU tests, forward only)."""
+    ``compiled=False`` runs flex's eager reference path (CPU tests, forward only).
+
+    ``block_masks``: every depth's mask built beforehand (:meth:`all_block_masks` of an instance
+    made outside). A whole-step compiled graph needs this: inductor cannot lower flex attention
+    whose mask reads tensors computed inside the same graph (the row's run ids, the depth), so
+    the trainer builds the masks eagerly and hands them in, where they are graph inputs."""
 
     def __init__(
         self,
@@ -240,6 +245,7 @@ class FlexTTTAttention(_KeysByDepth):
         ttt_length: int,
         compiled: bool = True,
         window_mode: str = "context",
+        block_masks: list[Any] | None = None,
     ) -> None:
         window_shift(window_mode, 0)  # validates the mode
         self.window_mode = window_mode
@@ -251,6 +257,11 @@ class FlexTTTAttention(_KeysByDepth):
         self.window = sliding_window
         self.flex = _flex_attention(compiled)
         super().__init__()
+        if block_masks is not None and len(block_masks) != ttt_length:
+            raise ValueError(f"{len(block_masks)} block masks given for ttt_length={ttt_length}")
+        self.block_masks = block_masks
+        if block_masks is not None:
+            return  # nothing else is read: the masks hold the row's runs and positions
         pad = self.Tp - T
         runs = run_ids(doc_ids_BT)
         positions = position_ids_BT.to(torch.int32)
@@ -320,14 +331,19 @@ class FlexTTTAttention(_KeysByDepth):
             seq_lengths=(Tp, L * Tp),
         )
 
+    def all_block_masks(self) -> list[Any]:
+        """The block mask of every depth, for a later instance's ``block_masks``."""
+        return [self.block_mask(depth) for depth in range(self.ttt_length)]
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, depth: int) -> torch.Tensor:
         """q [B, heads, T, D], k/v [B, kv_heads, T, D] (RoPE applied) -> [B, heads, T, D]."""
         self._push(self._pad(k), self._pad(v), depth)
+        block_mask = self.block_masks[depth] if self.block_masks is not None else self.block_mask(depth)
         absent = [torch.zeros_like(self.keys[0])] * (self.ttt_length - 1 - depth)
         keys = torch.cat([*self.keys, *absent], dim=2)
         values = torch.cat([*self.values, *absent], dim=2)
         out = self.flex(
-            self._pad(q), keys, values, block_mask=self.block_mask(depth),
+            self._pad(q), keys, values, block_mask=block_mask,
             enable_gqa=q.shape[1] != k.shape[1],
         )
         return out[:, :, : self.T]
@@ -340,15 +356,19 @@ def make_ttt_attention(
     sliding_window: int | None,
     ttt_length: int,
     window_mode: str = "context",
+    block_masks: list[Any] | None = None,
 ) -> EagerTTTAttention | SegmentedTTTAttention | FlexTTTAttention:
     """``backend``: ``auto`` (flex on CUDA, segmented elsewhere), ``flex``, ``segmented`` or
-    ``eager`` (all give the same result). Flex needs CUDA to train: its CPU path has no backward."""
+    ``eager`` (all give the same result). Flex needs CUDA to train: its CPU path has no backward.
+    ``block_masks``: flex's masks built beforehand (``FlexTTTAttention``)."""
     if backend == "auto":
         backend = "flex" if doc_ids_BT.is_cuda else "segmented"
+    if block_masks is not None and backend != "flex":
+        raise ValueError(f"block masks were built for flex attention, not {backend!r}")
     if backend == "flex":
         return FlexTTTAttention(
             doc_ids_BT, position_ids_BT, sliding_window, ttt_length,
-            compiled=doc_ids_BT.is_cuda, window_mode=window_mode,
+            compiled=doc_ids_BT.is_cuda, window_mode=window_mode, block_masks=block_masks,
         )
     if backend == "segmented":
         return SegmentedTTTAttention(doc_ids_BT, position_ids_BT, sliding_window, window_mode)

@@ -10,7 +10,8 @@ fewest compiled regions to the most:
   scored positions are gathered per depth (a host sync each, and only their logits computed).
 - ``step``: the whole objective forward (the teacher's validity and rows, fc, the seven depths
   with their attention, the loss of every depth) traced as one graph, and its backward as one
-  graph. Positions are scored densely (``ttt_forward(..., dense=True)``): every shape is static
+  graph. Flex attention's block masks are built eagerly just before and enter the graph as
+  inputs (``DraftObjective.forward``): inductor cannot lower a mask computed inside it. Positions are scored densely (``ttt_forward(..., dense=True)``): every shape is static
   and nothing waits on the host, at the price of the head's matmuls at unscored positions.
 - ``graph``: ``step`` replayed as CUDA graphs (``mode="reduce-overhead"``): one launch for the
   forward and one for the backward. CUDA only, one process, no gradient accumulation: the

@@ -26,6 +26,7 @@ from torch import nn
 
 from hsstore.aux_layers import AUX_HIDDEN_STATES
 from pipelines.models.eagle3 import Eagle3Draft
+from pipelines.models.ttt_attention import FlexTTTAttention
 from pipelines.train.candidate import candidate_step_loss
 from pipelines.train.compile_modes import (
     CompileMode,
@@ -113,6 +114,7 @@ class DraftObjective(nn.Module):
         position_ids_BT: torch.Tensor,
         loss_mask_BT: torch.Tensor,
         doc_ids_BT: torch.Tensor,
+        block_masks: list[Any] | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         mode = self.compile_mode
         with torch.no_grad():
@@ -123,7 +125,7 @@ class DraftObjective(nn.Module):
             self.draft, features[AUX], input_ids_BT, position_ids_BT, loss_mask_BT, teacher, valid,
             doc_ids_BT, self.ttt_length, attention=self.attention, loss_chunk=self.loss_chunk,
             # layers: the loss's chunk kernel compiled alone; whole step: traced with the rest.
-            compile_loss=mode == CompileMode.LAYERS, dense=mode.whole_step,
+            compile_loss=mode == CompileMode.LAYERS, dense=mode.whole_step, block_masks=block_masks,
         )
         return out.step_loss_sums, out.step_counts, out.step_correct
 
@@ -135,7 +137,17 @@ class DraftObjective(nn.Module):
         loss_mask_BT: torch.Tensor,
         doc_ids_BT: torch.Tensor,
     ) -> ObjectiveOutput:
-        loss_sums, counts, correct = self._sums(features, input_ids_BT, position_ids_BT, loss_mask_BT, doc_ids_BT)
+        block_masks = None
+        if self.compile_mode.whole_step and self.attention == "flex":
+            # Built here, outside the compiled graph, whose inputs they become (FlexTTTAttention).
+            config = self.draft.config
+            block_masks = FlexTTTAttention(
+                doc_ids_BT, position_ids_BT, config.sliding_window, self.ttt_length, compiled=False,
+                window_mode=config.window_mode,
+            ).all_block_masks()
+        loss_sums, counts, correct = self._sums(
+            features, input_ids_BT, position_ids_BT, loss_mask_BT, doc_ids_BT, block_masks
+        )
         if self.compile_mode == CompileMode.GRAPH:
             # A CUDA graph's outputs are overwritten by its next replay (reading one afterwards
             # raises); the caller gets copies it may keep (21 scalars).

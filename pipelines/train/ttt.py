@@ -24,6 +24,7 @@ loss_mask[j]".
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -78,12 +79,13 @@ def ttt_unroll(
     doc_ids_BT: torch.Tensor | None = None,
     ttt_length: int = DEFAULT_TTT_LENGTH,
     attention: str = "auto",
+    block_masks: list[Any] | None = None,
 ) -> list[torch.Tensor]:
     """Run the draft for ``ttt_length`` depths; returns the hidden output of each depth.
 
     ``attention``: ``auto`` (fused flex attention on CUDA, per-document attention elsewhere),
     ``flex``, ``segmented`` or ``eager`` (``pipelines.models.ttt_attention``; all give the same
-    result).
+    result); ``block_masks``: flex's masks built outside a compiled step (``FlexTTTAttention``).
     Positions whose shifted inputs fall outside their document compute garbage that no scored
     position can see (causality and the document mask guarantee it); the step masks drop them.
     """
@@ -96,7 +98,7 @@ def ttt_unroll(
     if doc_ids_BT is None:
         doc_ids_BT = torch.zeros_like(input_ids_BT)
     ttt = make_ttt_attention(
-        attention, doc_ids_BT, position_ids_BT, window, ttt_length, draft.config.window_mode
+        attention, doc_ids_BT, position_ids_BT, window, ttt_length, draft.config.window_mode, block_masks
     )
     hidden = draft.fuse_aux(aux_BTKH)
     hidden_per_step = []
@@ -144,6 +146,7 @@ def ttt_forward(
     loss_chunk: int | None = None,
     compile_loss: bool | None = None,
     dense: bool = False,
+    block_masks: list[Any] | None = None,
 ) -> TTTOutput:
     """The EAGLE-3 TTT loss: ``sum_i decay**i * CE_i`` with CE_i the masked mean cross-entropy
     of the depth-i draft logits against the teacher (see the module docstring for alignment).
@@ -164,7 +167,7 @@ def ttt_forward(
     if isinstance(teacher, torch.Tensor):
         teacher = DenseTeacherRows(teacher)
     hidden_per_step = ttt_unroll(
-        draft, aux_BTKH, input_ids_BT, position_ids_BT, doc_ids_BT, ttt_length, attention
+        draft, aux_BTKH, input_ids_BT, position_ids_BT, doc_ids_BT, ttt_length, attention, block_masks
     )
     masks = ttt_step_masks(
         loss_mask_BT, doc_remaining_from_ids(doc_ids_BT), teacher_valid_BT, ttt_length
