@@ -147,8 +147,11 @@ def write_recipe(
         "limit": limit,
         "executor": executor or args.executor,
         # model.compile by name (a "-compiled" run), never "auto": the runs named as before stay the
-        # eager extraction they measured before auto compiled on CUDA.
-        "model": {"dtype": "bfloat16", "device": "auto" if args.device == "cuda" else "cpu", "compile": is_compiled(name)},
+        # eager extraction they measured before auto compiled on CUDA. "-compiled" waits for the
+        # compile before the first unit (the steady state); "-compiled-background" is the default
+        # start (eager units while the layers compile).
+        "model": {"dtype": "bfloat16", "device": "auto" if args.device == "cuda" else "cpu", "compile": is_compiled(name),
+                  "compile_in_background": "background" in name.split("-")[2:]},
         "capture": {"aux_layer_ids": AUX_LAYER_IDS[args.shape]},
         "codecs": {
             "aux_hidden_states": {"codec": codec},
@@ -471,10 +474,11 @@ def run(args: argparse.Namespace) -> None:
 def parse_run(name: str) -> tuple[str, int, str | None]:
     """``fp8-1-local-shm`` -> (codec, actors, executor): the run names of ``--runs``, plus ``-shm``,
     ``-trace`` (a torch.profiler trace of each worker's first batches, written under ``--out``:
-    a diagnostic, left out of the ratios) and ``-compiled`` (``model.compile: true``)."""
+    a diagnostic, left out of the ratios), ``-compiled`` (``model.compile: true``, ready once compiled)
+    and ``-compiled-background`` (compiled in the background, the default start)."""
     parts = name.split("-")
     codec = {"bf16": "bf16", "fp8": "fp8_e4m3"}.get(parts[0])
-    if codec is None or len(parts) < 2 or not parts[1].isdigit() or not set(parts[2:]) <= {"local", "shm", "trace", "compiled"}:
+    if codec is None or len(parts) < 2 or not parts[1].isdigit() or not set(parts[2:]) <= {"local", "shm", "trace", "compiled", "background"}:
         raise SystemExit(f"--sequence: unknown step {name!r} (bare, or e.g. bf16-1, fp8-1-shm, fp8-1-local, fp8-1-trace, "
                          "bf16-1-compiled)")
     return codec, int(parts[1]), "local" if "local" in parts[2:] else None

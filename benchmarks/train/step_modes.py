@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -110,7 +111,10 @@ def _variant_in_child(args: argparse.Namespace, text: str, timeout_s: float, pea
         except subprocess.TimeoutExpired:
             return {"variant": text, "error": f"timeout: no result within {timeout_s:.0f} s (compilation included)"}
         if proc.returncode != 0 or not row_file.exists():
-            return {"variant": text, "error": f"exit {proc.returncode}: {proc.stderr[-3000:]}"}
+            # The exception's own line (an inductor error's is followed by pages of IR).
+            raised = [line for line in proc.stderr.splitlines() if re.match(r"^[\w.]+(Error|Exception)\b", line)]
+            return {"variant": text, "error": f"exit {proc.returncode}: {proc.stderr[-3000:]}",
+                    "raised": raised[-1][:1000] if raised else None}
         row = json.loads(row_file.read_text())
         hints = [line[:300] for line in proc.stderr.splitlines() if "cudagraph" in line.lower()]
         if hints:

@@ -32,6 +32,15 @@ Recompiles are counted (dynamo's graph counter around each compiled call) and lo
 guards change per call cannot spend the run compiling. dynamo's own per-function limit
 (``torch._dynamo.config.recompile_limit``, 8) is process-wide and left as it is.
 
+Compiled in the background: the worker starts eager. Its warm-up runs the same forwards as
+before, eager, and records the inputs of the first decoder layer's calls (:class:`LayerCallRecorder`);
+then :meth:`CompiledDecoderLayers.compile_in_background` replays those calls on a thread of its
+own, one layer, under the capture's inference mode, and only that thread's calls go through the
+compiler. The worker takes units meanwhile, eager; once every recorded call has compiled, the
+compiled forwards serve the next batches (a batch in flight may mix layers of both: each computes
+the same function). So the first forward no longer waits for the compile (~15 s on an H200 for the
+8B shape), and the GPU is not idle while dynamo and inductor work on the CPU.
+
 CUDA graphs (``mode="reduce-overhead"``) are not used: a graph is recorded per distinct shape, and
 the shapes change every batch; a forward of a 32k-token batch of an 8B model is ~1 s of GEMMs, so
 launch overhead is not what limits it.
@@ -40,11 +49,16 @@ launch overhead is not what limits it.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
 from torch import nn
+
+from pipelines.extract.errors import ExtractionError
 
 logger = logging.getLogger(__name__)
 
@@ -83,13 +97,28 @@ def _graph_count() -> int:
 
 class CompiledDecoderLayers:
     """Each decoder layer's ``forward`` replaced by a compiled one (an instance attribute that
-    shadows the class's method); :meth:`restore` puts the eager ones back."""
+    shadows the class's method); :meth:`restore` puts the eager ones back.
 
-    def __init__(self, layers: nn.ModuleList, *, max_graphs: int = MAX_GRAPHS):
+    ``deferred``: the compiled forwards serve no call until :meth:`compile_in_background` has
+    compiled them (module doc); until then every call runs eager. ``backend``: torch.compile's
+    (tests use ``aot_eager``, which needs no compiler toolchain)."""
+
+    def __init__(
+        self, layers: nn.ModuleList, *, max_graphs: int = MAX_GRAPHS, deferred: bool = False,
+        backend: str = "inductor",
+    ):
         self.layers = layers
         self.max_graphs = max_graphs
+        self.backend = backend
         self.num_graphs = 0  # graphs compiled by calls through these layers
         self.disabled = False  # past max_graphs: every layer runs eager
+        self.active = not deferred  # the compiled forwards serve every thread's calls
+        self._compiling = threading.local()  # .here: this thread is the background compile
+        self.compile_seconds = 0.0  # the background compile's, once done
+        self.compiled_at = 0.0  # wall clock (time.time()) when it was done
+        self._recorder: LayerCallRecorder | None = None
+        self._future: Future | None = None
+        self.failed = False  # the background compile raised: the layers are eager again
         for layer in layers:
             if "forward" in vars(layer):
                 raise ValueError(
@@ -120,11 +149,81 @@ class CompiledDecoderLayers:
                 self.num_graphs,
             )
 
+    def serves_this_call(self) -> bool:
+        """Whether a call on this thread goes through the compiled forward."""
+        return not self.disabled and (self.active or getattr(self._compiling, "here", False))
+
+    def record_calls(self) -> None:
+        """Record the first layer's inputs from now on (the eager warm-up's calls)."""
+        self._recorder = LayerCallRecorder(self.layers[0])
+
+    def compile_in_background(self, device: torch.device, wait: bool = False) -> None:
+        """Replay the recorded calls through the first layer on a thread of its own, compiling
+        it, then let the compiled forwards serve every call (:meth:`ready` says when). The
+        recorded tensors are released as they are replayed. ``wait``: return once compiled."""
+        if self._recorder is None:
+            raise RuntimeError("record_calls() first: the compile replays the warm-up's calls")
+        calls, layer = self._recorder.stop(), self.layers[0]
+        self._recorder = None
+
+        def compile_all() -> None:
+            start = time.perf_counter()
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            self._compiling.here = True
+            try:
+                with torch.inference_mode():  # the capture's mode: the guards must match its calls
+                    while calls:
+                        args, kwargs = calls.pop(0)
+                        layer.forward(*args, **kwargs)  # the forward alone: no hooks run
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+            finally:
+                self._compiling.here = False
+            self.compile_seconds = time.perf_counter() - start
+            self.compiled_at = time.time()
+            self.active = True
+            logger.info("the decoder layers compiled in the background in %.1f s", self.compile_seconds)
+
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile")
+        self._future = pool.submit(compile_all)
+        pool.shutdown(wait=wait)  # the thread ends with the compile
+
+    def ready(self, fail_quietly: bool) -> bool:
+        """Whether the compiled forwards serve calls now. A failed background compile puts the
+        eager layers back and is raised, naming the setting, unless ``fail_quietly`` (``compile:
+        auto``) and it is the compiler's own error, which is logged; either way it stays eager."""
+        if self.active or self._future is None or self.failed or not self._future.done():
+            return self.active
+        err = self._future.exception()
+        if err is None:
+            return self.active
+        self.failed = True
+        self.restore()
+        if fail_quietly and is_compile_error(err):
+            logger.warning("model.compile: auto: compiling failed (%s); running the layers eager", _brief(err))
+            return False
+        raise ExtractionError(
+            f"model.compile: compiling the decoder layers failed ({_brief(err)}); "
+            "set model.compile: false to run them eager"
+        ) from err
+
+    def wait(self) -> None:
+        """Wait for a background compile still running (its thread calls into the layers)."""
+        if self._future is not None:
+            wait([self._future])
+
     def restore(self) -> None:
         """The layers' own (eager) ``forward`` back; the model is as it was loaded."""
         for layer in self.layers:
             if isinstance(vars(layer).get("forward"), _CompiledForward):
                 del layer.forward
+
+
+def _brief(err: BaseException) -> str:
+    """The error's type and first lines (dynamo's messages go on with pages of advice)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()][:2]
+    return f"{type(err).__name__}: {' '.join(lines)}"[:400]
 
 
 class _CompiledForward:
@@ -136,10 +235,10 @@ class _CompiledForward:
         self.compiled: Any = None  # torch.compile'd at the first batch that needs it
 
     def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if self.owner.disabled or hidden_states.dim() != 3 or min(hidden_states.shape[:2]) < 2:
+        if not self.owner.serves_this_call() or hidden_states.dim() != 3 or min(hidden_states.shape[:2]) < 2:
             return self.eager(hidden_states, *args, **kwargs)
         if self.compiled is None:
-            self.compiled = torch.compile(self.eager)
+            self.compiled = torch.compile(self.eager, backend=self.owner.backend)
         mark_dynamic_dims(hidden_states, kwargs)
         before = _graph_count()
         output = self.compiled(hidden_states, *args, **kwargs)
@@ -169,6 +268,27 @@ def mark_dynamic_dims(hidden_BTD: torch.Tensor, kwargs: dict[str, Any]) -> None:
     if isinstance(mask, torch.Tensor) and mask.dim() == 4:  # [B, 1, T, T]
         for dim in (0, 2, 3):
             mark(mask, dim)
+
+
+class LayerCallRecorder:
+    """The inputs of a decoder layer's first calls of each kind (with and without an attention
+    mask; at least 2 rows and 2 tokens, as the compiled forward needs), recorded by a forward
+    pre-hook during the eager warm-up: what :meth:`CompiledDecoderLayers.compile_in_background`
+    replays. Whatever the transformers version passes a layer is replayed as it was passed."""
+
+    def __init__(self, layer: nn.Module):
+        self._calls: dict[bool, tuple[tuple, dict]] = {}
+        self._handle = layer.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 and min(hidden.shape[:2]) >= 2:
+            self._calls.setdefault(kwargs.get("attention_mask") is not None, (args, dict(kwargs)))
+
+    def stop(self) -> list[tuple[tuple, dict]]:
+        """Remove the hook; the calls recorded (the unmasked one first)."""
+        self._handle.remove()
+        return [self._calls[masked] for masked in (False, True) if masked in self._calls]
 
 
 def compile_warm_up(

@@ -41,6 +41,13 @@ class ModelSection(RecipeModel):
         "layer and batch (pipelines/extract/compiled_layers.py). auto: on CUDA, not on a CPU; not "
         "part of the lineage (compiled and eager features agree within bf16 rounding)",
     )
+    compile_in_background: bool = Field(
+        True,
+        description="with compile: the worker starts eager and compiles on a thread of its own, the "
+        "compiled layers taking over once ready (the first forward does not wait ~15 s for the "
+        "compiler); false: the worker is ready only once compiled (every unit compiled, as a "
+        "benchmark of the steady state wants)",
+    )
 
 
 class TokenizerSection(RecipeModel):

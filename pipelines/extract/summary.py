@@ -68,9 +68,9 @@ class ExtractionSummary:
     gpu_head_seconds: float = 0.0
     gpu_tail_seconds: float = 0.0
     # The start (docs/extraction.md, "Compiled forwards and a fast start"), from the job's start:
-    # every worker ready (model loaded, warmed up, compiled) and the first unit's first forward
-    # (on the GPU where known). The slowest worker's model load and warm-up (its compile
-    # included); whether the layers were compiled, and into how many graphs. The target's weights
+    # every worker ready (model loaded, warmed up) and the first unit's first forward
+    # (on the GPU where known). The slowest worker's model load and (eager) warm-up; whether the
+    # layers were compiled (in the background), and into how many graphs. The target's weights
     # and the data hashed for the lineage on a daemon thread meanwhile, and what the first commit
     # (a resume: the planning) waited for them.
     workers_ready_seconds: float = 0.0
@@ -88,7 +88,9 @@ class ExtractionSummary:
     host_buffers_seconds: float = 0.0
     first_unit_planned_seconds: float = 0.0
     compiled: bool = False
-    compiled_graphs: int = 0
+    compiled_graphs: int = 0  # the most any worker compiled (1: one graph serves every batch)
+    # Units run eager while the layers compiled in the background (compiled_layers.py).
+    units_run_eager_while_compiling: int = 0
     fingerprint_seconds: float = 0.0
     lineage_wait_seconds: float = 0.0
 
@@ -103,7 +105,6 @@ class ExtractionSummary:
         self.model_load_seconds = max(s.load_seconds for s in startups)
         self.warmup_seconds = max(s.warmup_seconds for s in startups)
         self.compiled = all(s.compiled for s in startups)
-        self.compiled_graphs = max(s.compiled_graphs for s in startups)
 
     @property
     def num_rejected(self) -> int:
@@ -191,7 +192,11 @@ class ExtractionSummary:
             "after its forwards)",
         ]
         if self.workers_ready_seconds:
-            compiled = f", compiled into {self.compiled_graphs} graph(s)" if self.compiled else ", eager"
+            compiled = (
+                f"; compiled in the background into {self.compiled_graphs} graph(s), "
+                f"{self.units_run_eager_while_compiling} unit(s) eager meanwhile"
+                if self.compiled else ", eager"
+            )
             lines += [
                 f"start            prepared after {self.prepare_seconds:.1f} s, executor started in "
                 f"{self.executor_start_seconds:.1f} s, first worker up after {self.worker_start_seconds:.1f} s, "

@@ -139,6 +139,8 @@ class UnitCommitter:
         summary.pool_wait_seconds += result.pool_wait_seconds
         summary.gpu_forward_seconds += result.gpu_forward_seconds
         summary.gpu_between_seconds += result.gpu_between_seconds
+        summary.units_run_eager_while_compiling += not result.compiled and summary.compiled
+        summary.compiled_graphs = max(summary.compiled_graphs, result.compiled_graphs)
         self.marks.add(result)
 
 

@@ -102,6 +102,10 @@ class UnitResult:
     # the GPU (from the events, against a clock set at the warm-up); 0.0 where not known.
     gpu_started_at: float = 0.0
     gpu_ended_at: float = 0.0
+    # model.compile: whether the compiled layers served the unit from its start (they compile in
+    # the background while the first units run eager), and the worker's graphs so far.
+    compiled: bool = False
+    compiled_graphs: int = 0
 
 
 @dataclass(frozen=True)
@@ -109,9 +113,8 @@ class WorkerStartup:
     """What a worker's start cost, reported once it is ready (the run summary's start-up line)."""
 
     load_seconds: float  # loading the target (0.0: a model handed in)
-    warmup_seconds: float  # the warm-up batch, the first compile included when compiled
-    compiled: bool  # model.compile resolved (and kept: an ``auto`` compile that failed runs eager)
-    compiled_graphs: int = 0  # graphs the warm-up compiled (1: one graph serves every batch)
+    warmup_seconds: float  # the (eager) warm-up batch; the compile follows in the background
+    compiled: bool  # model.compile resolved (the layers compile in the background)
     ready_at: float = 0.0  # wall clock (time.time()) when the worker was ready for units
     # Wall clock when the worker's constructor began (a Ray actor: its process up, its modules
     # imported), and the seconds it spent allocating (pinning) its host buffers.

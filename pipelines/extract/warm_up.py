@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -103,3 +106,18 @@ def write_throwaway_shard(
         ) from err
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def timed_on_thread(fn: Callable[[], None]) -> Future:
+    """``fn`` on a thread of its own, started now (the worker pins its host buffers while the
+    model loads); the future gives its seconds."""
+    def timed() -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    pool = ThreadPoolExecutor(max_workers=1)
+    try:
+        return pool.submit(timed)
+    finally:
+        pool.shutdown(wait=False)

@@ -24,14 +24,10 @@ from torch.profiler import record_function
 
 from hsstore import ShardWriter
 from hsstore.errors import HsstoreError
+from pipelines.extract import compiled_layers
+from pipelines.extract import warm_up as start_up
 from pipelines.extract.batching import Batch, collate, plan_batches
 from pipelines.extract.capture import HiddenStateCapture, resolve_pass_attention_mask
-from pipelines.extract.compiled_layers import (
-    CompiledDecoderLayers,
-    compile_warm_up,
-    is_compile_error,
-    resolve_compile,
-)
 from pipelines.extract.errors import ExtractionError
 from pipelines.extract.gpu_timing import GpuClock, GpuTimeline
 from pipelines.extract.isolation import (
@@ -64,23 +60,24 @@ class ExtractionWorker:
         self.spec = spec
         self.device = resolve_device(spec.device)  # where features are gathered and copied from
         self.input_device = self.device  # where token ids go (the embeddings' device)
+        # Pinned host buffers for the device-to-host copies, shared by the units in flight: as
+        # many as the sink's queue holds plus the one being written and the one being copied;
+        # pinned (seconds for the 8B shape) on a thread while the model loads.
+        self.host_buffers = HostBufferPool(
+            spec.features, spec.token_budget, MAX_PENDING_BATCHES + 2, pin=self.device.type == "cuda"
+        )
+        pinning = start_up.timed_on_thread(self.host_buffers.preallocate) if self.device.type == "cuda" else None
         load_start, load_seconds = time.perf_counter(), 0.0
         if model is None:
             model, self.input_device, self.device = load_worker_target(spec, self.device)
             load_seconds = time.perf_counter() - load_start
         self.model = model
+        buffers_seconds = pinning.result() if pinning else 0.0
         # Every forward (the warm-up's included) runs on this one thread: _on_compute_thread.
         self._compute_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forwards")
         self._last_forward_end: torch.cuda.Event | None = None  # the previous unit's, on a GPU
         self._gpu_clock: GpuClock | None = None  # set by the warm-up
         self.profiler = FirstBatchesProfiler(spec.profile_dir, spec.profile_batches, self.device)
-        # Pinned host buffers for the device-to-host copies, shared by the units in flight: as
-        # many as the sink's queue holds plus the one being written and the one being copied.
-        buffers_start, pin = time.perf_counter(), self.device.type == "cuda"
-        self.host_buffers = HostBufferPool(spec.features, spec.token_budget, MAX_PENDING_BATCHES + 2, pin=pin)
-        if pin:
-            self.host_buffers.preallocate()
-        buffers_seconds = time.perf_counter() - buffers_start
         self.capture = HiddenStateCapture(
             self.model,
             spec.aux_layer_ids,
@@ -92,42 +89,41 @@ class ExtractionWorker:
                 getattr(getattr(self.model, "config", None), "model_type", None),
             ),
         )
-        # Compiled (model.compile) before the warm-up, so that the warm-up pays for the compile.
+        # Compiled (model.compile) in the background after an eager warm-up (compiled_layers.py).
         self.compiled = (
-            CompiledDecoderLayers(self.capture.parts.layers)
-            if resolve_compile(spec.compile, self.device)
+            compiled_layers.CompiledDecoderLayers(self.capture.parts.layers, deferred=True)
+            if compiled_layers.resolve_compile(spec.compile, self.device)
             else None
         )
         self.warmup_seconds = self._start()
         self.startup = WorkerStartup(
             load_seconds, self.warmup_seconds, compiled=self.compiled is not None, ready_at=time.time(),
-            compiled_graphs=self.compiled.num_graphs if self.compiled else 0,
             entered_at=entered_at, buffers_seconds=buffers_seconds,
         )
 
     def _start(self) -> float:
-        """The warm-up, on a GPU or with compiled layers; an ``auto`` compile that fails runs eager."""
+        """The warm-up, on a GPU or with compiled layers (eager: the first layer's inputs are
+        recorded), then the layers compiled in the background from those inputs."""
         if self.device.type != "cuda" and self.compiled is None:
             return 0.0
-        try:
+        if self.compiled is None:
             return self._on_compute_thread(self.warm_up)
-        except ExtractionError as err:
-            if self.compiled is None or self.spec.compile != "auto" or not is_compile_error(err):
-                raise
-            logger.warning("model.compile: auto: %s; running the layers eager", err)
-            self.compiled.restore()
-            self.compiled = None
-            return self._on_compute_thread(self.warm_up)
+        self.compiled.record_calls()
+        seconds = self._on_compute_thread(self.warm_up)
+        self.compiled.compile_in_background(self.device, wait=not self.spec.compile_in_background)
+        self.compiled.ready(fail_quietly=self.spec.compile == "auto")  # raises a failure already known
+        return seconds
 
     def warm_up(self) -> float:
         """One batch of the largest shape (:func:`warm_up.warm_shape`) through capture, GPU encode,
         copy and a throwaway shard, before any unit (warm_up.py says why); with compiled layers,
-        the forwards that compile every graph the units will use. Returns its seconds."""
+        the forwards whose layer inputs the background compile replays (all eager). Returns its
+        seconds."""
         rows, length = warm_shape(self.spec)
         start = time.perf_counter()
         try:
             if self.compiled is not None:
-                compile_warm_up(
+                compiled_layers.compile_warm_up(
                     self._pad_forward, rows, length, self.spec.pad_to_multiple_of, self.capture.pass_attention_mask
                 )
             features = self._pad_forward(rows, length)
@@ -141,11 +137,6 @@ class ExtractionWorker:
         except ExtractionError:
             raise
         except Exception as err:
-            if self.compiled is not None and is_compile_error(err):
-                raise ExtractionError(
-                    f"model.compile: compiling the decoder layers failed ({describe(err)}); "
-                    "set model.compile: false to run them eager"
-                ) from err
             if is_out_of_memory(err):
                 raise ExtractionError(
                     f"the warm-up batch ({rows} x {length} tokens, batching.token_budget="
@@ -215,15 +206,16 @@ class ExtractionWorker:
             gpu_started_at=gpu_started_at,
             gpu_ended_at=gpu_ended_at,
             rejected=tuple(rejected_sample(unit, i, error) for i, error in sorted(done.failures)),
+            compiled=done.compiled,
+            compiled_graphs=self.compiled.num_graphs if self.compiled else 0,
         )
 
     def _on_compute_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn`` on the compute thread and wait for it (its exception is raised here).
 
         Why one thread: CUDA keeps per-thread state that a forward needs (PyTorch's cuBLAS handles
-        and workspaces are per thread), so a forward on a fresh thread pays for setting it up again.
-        Ray runs an actor's calls on threads of its own choosing and LocalExecutor on a new pool per
-        run; on the one thread the warm-up ran on, the first unit's forwards find everything ready.
+        and workspaces), so a forward on a fresh thread pays for setting it up again; Ray and
+        LocalExecutor call from threads of their own choosing.
         """
         return self._compute_thread.submit(fn, *args).result()
 
@@ -247,6 +239,7 @@ class ExtractionWorker:
         """The unit's forwards, on the compute thread: each batch's features go to the unit's sink."""
         compute_start = time.perf_counter()
         started_at = time.time()
+        compiled = self.compiled is not None and self.compiled.ready(fail_quietly=self.spec.compile == "auto")
         with self.profiler.unit(unit.index):  # traced: the first unit only, with profiler.dir set
             token_ids = [row.input_ids for row in unit.rows]
             kept: list[Batch] = []  # the forwards whose features went to the shard
@@ -292,6 +285,7 @@ class ExtractionWorker:
             compute_seconds=time.perf_counter() - compute_start,
             started_at=started_at,
             ended_at=time.time(),
+            compiled=compiled,
         )
 
     def _batch(
@@ -374,6 +368,8 @@ class ExtractionWorker:
 
     def close(self) -> None:
         self._compute_thread.shutdown(wait=True)
+        if self.compiled is not None:
+            self.compiled.wait()  # its thread calls into the layers: let it finish first
         self.capture.close()
         if self.compiled is not None:  # a model handed in goes back as it came
             self.compiled.restore()
@@ -391,6 +387,7 @@ class _ComputedUnit:
     compute_seconds: float
     started_at: float
     ended_at: float
+    compiled: bool  # the compiled layers served this unit from its start
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

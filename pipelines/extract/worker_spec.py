@@ -30,6 +30,7 @@ class WorkerSpec:
     # by hand (benchmarks and tests that share the model with a bare forward) runs eager unless it
     # asks.
     compile: bool | str = False
+    compile_in_background: bool = True
     token_budget: int = 16384
     max_batch_size: int | None = None
     # The longest sample (batching.max_length): sets the shape of the start-up warm-up batch.
@@ -73,6 +74,7 @@ class WorkerSpec:
             attn_implementation=recipe.model.attn_implementation,
             trust_remote_code=recipe.model.trust_remote_code,
             compile=recipe.model.compile,
+            compile_in_background=recipe.model.compile_in_background,
             token_budget=recipe.batching.token_budget,
             max_batch_size=recipe.batching.max_batch_size,
             max_length=recipe.batching.max_length,

@@ -112,14 +112,15 @@ def test_compiled_extraction_equals_eager_within_bf16(tmp_path: Path, caplog: py
     """The reference target in bf16 on the CPU; after the warm-up's 2 x 256 batch, the units of
     64 tokens make batches of 2 x 40 and 2 x 16 (compiled) and 1 x 48 (eager: one row): one
     compiled graph serves every batch, the hooks capture from the compiled layers, and every
-    feature is as close to the float32 truth as the eager forward's."""
+    feature is as close to the float32 truth as the eager forward's. The compiled run waits for its
+    compile (``compile_in_background: false``), so that every unit runs compiled."""
     data = write_jsonl(tmp_path / "mixed.jsonl", MIXED_RECORDS)
     stores = {}
     for compile_layers in (False, True):
         recipe = make_recipe(
             REFERENCE_TARGET, [data], tmp_path / f"store-{compile_layers}",
-            model={"dtype": "bfloat16", "compile": compile_layers}, capture={"aux_layer_ids": None},
-            units={"max_tokens": 64},
+            model={"dtype": "bfloat16", "compile": compile_layers, "compile_in_background": False},
+            capture={"aux_layer_ids": None}, units={"max_tokens": 64},
         )
         with caplog.at_level(logging.INFO, logger="pipelines.extract.compiled_layers"):
             summary = run_extraction(recipe)
@@ -127,6 +128,7 @@ def test_compiled_extraction_equals_eager_within_bf16(tmp_path: Path, caplog: py
         assert summary.compiled is compile_layers
         stores[compile_layers] = stored_samples(recipe.store)
     assert summary.compiled_graphs == 1 and summary.warmup_seconds > 0
+    assert summary.units_run_eager_while_compiling == 0
     assert "recompiled" not in caplog.text and "compiled the decoder layers" in caplog.text
 
     model32 = load_target(str(REFERENCE_TARGET), dtype="float32")
@@ -142,3 +144,57 @@ def test_compiled_extraction_equals_eager_within_bf16(tmp_path: Path, caplog: py
         for name in ("aux_hidden_states", "final_hidden_state"):
             worst = max(worst, relative_error(compiled[name], eager[name]))
     assert 0 < worst < 4e-2, f"compiled vs eager: {worst:.2e}"  # two bf16 roundings apart, no more
+
+
+def _layer_calls(model: torch.nn.Module, compiled: CompiledDecoderLayers) -> None:
+    """Two forwards (2 x 12, 3 x 20) whose first-layer inputs the background compile replays."""
+    compiled.record_calls()
+    with torch.inference_mode():
+        for shape in ((2, 12), (3, 20)):
+            model.model(input_ids=torch.randint(0, 64, shape), use_cache=False)
+
+
+def test_the_layers_compile_in_the_background_and_take_over_once_compiled() -> None:
+    """The warm-up's layer inputs are recorded; until their replay on the compile thread is done,
+    every other thread's calls run eager (no graph); then the compiled forwards serve them, with
+    the one graph the replay compiled, and compute what eager does."""
+    torch._dynamo.reset()
+    model = models.tiny_qwen3(embed_scale=20.0)
+    ids = torch.randint(0, 64, (4, 16))
+    with torch.inference_mode():
+        eager = model.model(input_ids=ids, use_cache=False).last_hidden_state
+    compiled = CompiledDecoderLayers(model.model.layers, deferred=True, backend="aot_eager")
+    try:
+        _layer_calls(model, compiled)
+        assert compiled.num_graphs == 0 and not compiled.ready(fail_quietly=True)  # recorded, eager
+        compiled.compile_in_background(torch.device("cpu"), wait=True)
+        assert compiled.ready(fail_quietly=False) and compiled.num_graphs == 1 and compiled.compile_seconds > 0
+        with torch.inference_mode():
+            got = model.model(input_ids=ids, use_cache=False).last_hidden_state
+        assert compiled.num_graphs == 1  # another shape, the same dynamic graph: no recompile
+        assert all(layer.forward.compiled is not None for layer in model.model.layers[:1])
+        torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
+    finally:
+        compiled.restore()
+
+
+def test_a_failed_background_compile_runs_eager_under_auto_and_raises_when_asked_for() -> None:
+    """A compile that fails on its thread surfaces when the worker next asks (``ready``): under
+    ``auto`` the layers go back to eager for good, logged; ``compile: true`` raises, naming the
+    setting and the compiler's error."""
+    def broken_backend(graph: torch.fx.GraphModule, inputs: list) -> None:
+        raise RuntimeError("no kernels today")
+
+    for fail_quietly in (True, False):
+        torch._dynamo.reset()
+        model = models.tiny_qwen3(embed_scale=20.0)
+        compiled = CompiledDecoderLayers(model.model.layers, deferred=True, backend=broken_backend)
+        _layer_calls(model, compiled)
+        compiled.compile_in_background(torch.device("cpu"), wait=True)
+        if fail_quietly:
+            assert compiled.ready(fail_quietly=True) is False and compiled.failed
+            assert compiled.ready(fail_quietly=True) is False  # settled: eager for good
+        else:
+            with pytest.raises(ExtractionError, match="model.compile: compiling the decoder layers failed .BackendCompilerFailed: .*no kernels today"):
+                compiled.ready(fail_quietly=False)
+        assert not any("forward" in vars(layer) for layer in model.model.layers)  # the eager layers back
