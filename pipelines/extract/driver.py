@@ -2,13 +2,14 @@
 
 Order of a run (each step is a function of the recipe and the data, so reruns agree):
 
-1. tokenizer, target config, features (:func:`prepare`);
+1. tokenizer, target config, features (:func:`prepare`; with Ray, on a thread while Ray starts);
 2. lineage (:func:`open_lineage`): the target's weights and the data are hashed on a daemon
    thread; an existing store must have the same lineage (else refused, naming the field), so a
    rerun can only resume the same extraction: its other fields are checked at once, the hashes
    before planning; a new store is created with the complete lineage at the first commit;
-3. on a fresh store the executor starts now (Ray, the actors loading the model), while the hashes
-   run and the first window is planned: the fast start (docs/extraction.md);
+3. on a fresh store the executor starts now (the actors loading the model, warming up eager and
+   compiling in the background), while the hashes run and the first window is planned: the fast
+   start (docs/extraction.md);
 4. records are read, validated, tokenized and cut into units in a stream (planner.py), window by
    window as the executor asks for units; units whose shard id is already committed, or that
    belong to another partition rank, are skipped (:class:`UnitSchedule`);
@@ -29,6 +30,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,16 +85,45 @@ def run_extraction(
     and tokenizes every record, cuts the units, counts, and touches neither the store nor the model.
     """
     wall_start, job_started_at = time.perf_counter(), time.time()
-    setup = prepare(recipe)
-    summary = ExtractionSummary(store=setup.recipe.store, rejects_path="", dry_run=dry_run)
-    summary.prepare_seconds = time.time() - job_started_at
-    summary.feature_bytes_per_token = sum(f.raw_bytes_per_token for f in setup.features)
-    if dry_run:
-        plan_only(setup, summary)
-    else:
-        extract(setup, summary, progress=progress, on_commit=on_commit, job_started_at=job_started_at)
+    started_ray = False
+    try:
+        if recipe.executor == "ray" and not dry_run:
+            setup, started_ray = prepare_beside_ray(recipe)
+        else:
+            setup = prepare(recipe)
+        summary = ExtractionSummary(store=setup.recipe.store, rejects_path="", dry_run=dry_run)
+        summary.prepare_seconds = time.time() - job_started_at
+        summary.feature_bytes_per_token = sum(f.raw_bytes_per_token for f in setup.features)
+        if dry_run:
+            plan_only(setup, summary)
+        else:
+            extract(setup, summary, progress=progress, on_commit=on_commit, job_started_at=job_started_at)
+    finally:
+        if started_ray:
+            import ray
+
+            ray.shutdown()
     summary.wall_seconds = time.perf_counter() - wall_start
     return summary
+
+
+def prepare_beside_ray(recipe: ExtractRecipe) -> tuple[ExtractionSetup, bool]:
+    """:func:`prepare` on a thread while Ray starts on this one (Ray sets its signal handlers
+    from the thread that starts it): Ray's seconds of start-up beside the tokenizer's and the
+    config's. Returns the setup and whether Ray was started here (then it is shut down here)."""
+    from pipelines.extract.executors import start_ray
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare") as pool:
+        preparing = pool.submit(prepare, recipe)
+        started_ray = start_ray(recipe.ray)
+        try:
+            return preparing.result(), started_ray
+        except BaseException:
+            if started_ray:
+                import ray
+
+                ray.shutdown()
+            raise
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,24 @@ class _WorkerActor:
         return getattr(self.worker, "startup", None)
 
 
+def start_ray(settings: RaySection) -> bool:
+    """``ray.init`` as a :class:`RayExecutor` would (joining ``settings.address``, or a local Ray);
+    True when this call started it, so that its caller shuts it down. The driver calls it while
+    it prepares the job on another thread (``driver.prepare_beside_ray``); the executor then finds
+    Ray initialised and leaves its shutdown to the driver."""
+    try:
+        import ray
+    except ImportError as err:
+        raise ExtractionError(
+            "executor: ray, but Ray is not installed here; install it (pip install ray) or "
+            "run in process with --set executor=local"
+        ) from err
+    if ray.is_initialized():
+        return False
+    ray.init(address=settings.address, include_dashboard=False, log_to_driver=True)
+    return True
+
+
 class RayExecutor:
     """Ray core actors: one per GPU (or ``num_workers`` CPU actors); the driver hands out units.
 
@@ -141,21 +159,12 @@ class RayExecutor:
         worker_class: Callable[[Any], Any] = extraction_worker,
         job: str = "extraction",
     ):
-        try:
-            import ray
-        except ImportError as err:
-            raise ExtractionError(
-                "executor: ray, but Ray is not installed here; install it (pip install ray) or "
-                "run in process with --set executor=local"
-            ) from err
+        self._started_ray = start_ray(settings)
+        import ray
 
         self.settings = settings
         # Units whose result came back, by the Ray node id that ran them (the run summary's).
         self.units_by_node: Counter[str] = Counter()
-        self._started_ray = False
-        if not ray.is_initialized():
-            ray.init(address=settings.address, include_dashboard=False, log_to_driver=True)
-            self._started_ray = True
         cluster_gpus = float(ray.cluster_resources().get("GPU", 0.0))
         num_gpus = settings.num_gpus_per_worker
         if num_gpus is None:

@@ -157,3 +157,51 @@ def test_a_resume_from_other_weights_is_refused_before_any_compute(tiny_qwen3: P
     with pytest.raises(LineageMismatchError, match=r"lineage field 'target\.weights_sha256\.model\.safetensors'"):
         run_extraction(make_recipe(other, [mixed_data], store))
     assert sorted(p.name for p in (store / "shards").iterdir()) == shards_before  # no attempt written
+
+
+RAY_DRIVER_SCRIPT = """
+import json, sys
+import ray
+from pipelines.extract import run_extraction
+from pipelines.extract.errors import ExtractionError
+from tests.pipelines.extract.helpers import make_recipe
+from pathlib import Path
+
+target, data, store = (Path(a) for a in sys.argv[1:4])
+ray_section = {"num_workers": 1, "num_cpus_per_worker": 1}
+bad = make_recipe(store / "no-such-target", [data], store / "bad", executor="ray", ray=ray_section)
+try:
+    run_extraction(bad)
+    failed = None
+except Exception as err:
+    failed = type(err).__name__
+after_failure = ray.is_initialized()
+summary = run_extraction(make_recipe(target, [data], store / "good", executor="ray", ray=ray_section))
+print(json.dumps({"failed": failed, "ray_after_failure": after_failure, "ray_after_run": ray.is_initialized(),
+                  "samples": summary.num_samples_written, "prepare_s": summary.prepare_seconds,
+                  "executor_start_s": summary.executor_start_seconds}))
+"""
+
+
+@pytest.mark.slow
+def test_the_driver_starts_ray_beside_its_preparation_and_shuts_it_down(
+    tiny_qwen3: Path, mixed_data: Path, tmp_path: Path
+) -> None:
+    """In a fresh interpreter (no Ray running): Ray starts while the job is prepared on another
+    thread, and the driver that started it shuts it down, after a run and after a preparation
+    that failed (a target that does not exist)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.support.paths import REPO_ROOT
+
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "RAY_USAGE_STATS_ENABLED": "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", RAY_DRIVER_SCRIPT, str(tiny_qwen3), str(mixed_data), str(tmp_path)],
+        capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["failed"] is not None and result["ray_after_failure"] is False
+    assert result["ray_after_run"] is False and result["samples"] > 0
