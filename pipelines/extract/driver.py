@@ -111,8 +111,12 @@ def prepare_beside_ray(recipe: ExtractRecipe) -> tuple[ExtractionSetup, bool]:
     """:func:`prepare` on a thread while Ray starts on this one (Ray sets its signal handlers
     from the thread that starts it): Ray's seconds of start-up beside the tokenizer's and the
     config's. Returns the setup and whether Ray was started here (then it is shut down here)."""
+    import importlib.util
+
     from pipelines.extract.executors import start_ray
 
+    if importlib.util.find_spec("ray") is None:  # the executor says so, after the recipe's checks
+        return prepare(recipe), False
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare") as pool:
         preparing = pool.submit(prepare, recipe)
         started_ray = start_ray(recipe.ray)

@@ -135,8 +135,8 @@ def start_ray(settings: RaySection) -> bool:
         import ray
     except ImportError as err:
         raise ExtractionError(
-            "executor: ray, but Ray is not installed here; install it (pip install ray) or "
-            "run in process with --set executor=local"
+            "executor: ray, but Ray is not installed here; install it (pip install 'hsstore[extract]') "
+            "or run in process with --set executor=local"
         ) from err
     if ray.is_initialized():
         return False
