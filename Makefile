@@ -18,9 +18,13 @@ peers: install
 	$(PYTHON) -m pip install -q -e ".[peers]"
 	$(PYTHON) -m pip install -q --no-deps speculators==0.9.0 eagle-harness==0.1.3 specforge==0.2.0
 
-# The README's test command; .ci/run calls exactly this.
+# The README's test command; .ci/run calls exactly this. Two pytest-xdist workers, a test file each
+# (--dist loadfile: a module's fixtures are built once): most of the suite's time is waiting on
+# subprocesses, Ray and servers, so two workers on CI's 2 cores take ~0.6x the time of one
+# (benchmarks/LOG.md). TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: peers
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: 
 	$(PYTHON) -m pytest -q -m "not slow and not reliability"
