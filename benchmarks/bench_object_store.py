@@ -224,7 +224,7 @@ def local_vs_s3(argv: list[str] | None = None) -> int:
     }
     try:
         with MotoS3(processes=args.endpoint_processes) as s3:
-            os.environ.update(s3.environ())
+            s3.export()
             local = workdir / "store"
             shutil.rmtree(local, ignore_errors=True)
             report["store"] = write_store(local, hidden=args.hidden, num_tokens=args.tokens, mean_len=args.mean_len, max_len=args.max_len, shard_tokens=args.shard_tokens, seed=0)

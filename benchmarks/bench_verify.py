@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         with MotoS3(processes=args.endpoint_processes) as s3:
-            os.environ.update(s3.environ())
+            s3.export()
             local = workdir / "store"
             report["store"] = write_store(local, hidden=args.hidden, num_tokens=args.tokens, mean_len=600,
                                           max_len=2048, shard_tokens=args.shard_tokens, seed=0)

@@ -8,7 +8,6 @@ Usage: ``python -m benchmarks.investigations.ab_verify_zarr_format [--shards 100
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import sys
@@ -41,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[float]] = {"zarr_format_3": [], "unspecified": []}
     try:
         with MotoS3() as s3:
-            os.environ.update(s3.environ())
+            s3.export()
             write_store(workdir / "store", hidden=64, num_tokens=args.shards * 512, mean_len=128, max_len=512,
                         shard_tokens=512, seed=0, fixed_len=128)
             upload(workdir / "store", "s3://ab-zarr/store")

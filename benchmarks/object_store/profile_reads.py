@@ -16,7 +16,6 @@ microseconds per call; the GETs are ~10 MB each, the pieces 1 MiB).
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import tempfile
@@ -90,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         with MotoS3(processes=args.endpoint_processes) as s3:
-            os.environ.update(s3.environ())
+            s3.export()
             report["store"] = write_store(workdir / "store", hidden=args.hidden, num_tokens=args.tokens, mean_len=600, max_len=2048, shard_tokens=8192, seed=0)
             upload(workdir / "store", "s3://bench/store")
             s3.freeze()

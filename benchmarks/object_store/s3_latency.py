@@ -49,7 +49,13 @@ from typing import Any
 import hsstore
 from benchmarks.bench_object_store import FEATURES, write_store
 from benchmarks.common import machine_info, write_results
-from hsstore.storage.s3_reads import BODIES, BODY_ENV_VAR, STREAM_PIECE_BYTES, ObstoreRangeReader, configured_body
+from hsstore.storage.s3_reads import (
+    BODIES,
+    BODY_ENV_VAR,
+    STREAM_PIECE_BYTES,
+    ObstoreRangeReader,
+    configured_body,
+)
 from tests.support.s3 import MotoS3
 
 # What one H200 trains per second on the Qwen3-8B shape (issue 32: ~25-32k tokens/s; the low end).
@@ -203,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     ceiling_runs: dict[str, list[dict[str, float]]] = {}
     try:
         with MotoS3(processes=args.endpoint_processes) as s3:
-            os.environ.update(s3.environ())
+            s3.export()
             local = workdir / "store"
             shutil.rmtree(local, ignore_errors=True)
             started = time.perf_counter()

@@ -57,20 +57,35 @@ def replicate_records(source: Path, target: Path, num_records: int) -> Path:
     return target
 
 
-def actor_processes(busy: bool) -> list[int]:
+def actor_processes(busy: bool, raylet: int | None = None) -> list[int]:
     """Pids of live extraction actors (Ray titles them ``ray::_WorkerActor[.method]``); ``busy``:
-    only those executing ``run_unit``, i.e. in the middle of writing a shard."""
+    only those executing ``run_unit``, i.e. in the middle of writing a shard. ``raylet``: only the
+    actors that raylet started (its children), not another Ray's on the machine (a parallel test's)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             title = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-        except OSError:
+            # /proc/PID/stat: "pid (comm) state ppid ...": the parent after the command's ")".
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if raylet is not None and parent != raylet:
             continue
         if title.startswith("ray::_WorkerActor") and (not busy or "run_unit" in title):
             pids.append(int(entry.name))
     return pids
+
+
+def own_raylet() -> int:
+    """The pid of the raylet of the Ray this process started (the actors' parent)."""
+    import ray
+
+    node = ray._private.worker._global_node
+    if node is None:
+        raise RuntimeError("this process did not start its Ray: its raylet is not known here")
+    return node.all_processes[ray._private.ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
 
 
 @dataclass
@@ -156,7 +171,7 @@ def run_load(
                 kill.next_commit_s = now - kill.at_s
         if kill_every and len(commits) % kill_every == 0:
             deadline = time.monotonic() + 10
-            while not (busy := actor_processes(busy=True)) and time.monotonic() < deadline:
+            while not (busy := actor_processes(busy=True, raylet=own_raylet())) and time.monotonic() < deadline:
                 time.sleep(0.01)
             if busy:
                 os.kill(busy[0], signal.SIGKILL)

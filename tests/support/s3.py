@@ -366,6 +366,19 @@ class MotoS3:
         """The standard AWS environment that points s3fs/botocore at this server."""
         return {"AWS_ENDPOINT_URL": self.endpoint, **DUMMY_KEYS}
 
+    def export(self) -> None:
+        """Point this process at the server: its :meth:`environ` into ``os.environ``, and s3fs's
+        cached filesystems dropped. fsspec hands out one instance per set of options, and botocore
+        read the endpoint variable when that instance's client was built: a script (or a test run
+        after another) that used another endpoint in this process would otherwise write through the
+        old endpoint while obstore, which reads the variables at every open, reads the new one."""
+        os.environ.update(self.environ())
+        try:
+            import s3fs
+        except ImportError:
+            return
+        s3fs.S3FileSystem.clear_instance_cache()
+
     def requests(self, reset: bool = False) -> dict[str, int]:
         """Requests served since the last reset, by method (plus ``GET_ranged`` and ``response_bytes``)."""
         url = self.endpoint + COUNTS_PATH + ("?reset=1" if reset else "")
