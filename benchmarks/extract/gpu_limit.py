@@ -51,6 +51,7 @@ from benchmarks.extract.through_ray import log, store_path
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "gpu-limit-h200.json"
 OUT_NAME = "gpu-limit-extract.json"
 EAGER, COMPILED, DEFAULT = "bf16-1", "bf16-1-compiled", "bf16-1-compiled-background"
+RUN_CHOICES = {EAGER: "eager", DEFAULT: "default", COMPILED: "compiled"}  # --runs
 # What each extraction run reports beside its tokens/s (the summary's start-up fields).
 START_FIELDS = ("wall_seconds", "process_seconds", "extract_seconds", "prepare_seconds", "executor_start_seconds",
                 "worker_start_seconds", "model_load_seconds", "host_buffers_seconds", "warmup_seconds",
@@ -87,12 +88,13 @@ def run(args: argparse.Namespace) -> None:
                                                       limit=None)
 
     attempt("bare", lambda: state.update(bare=through_ray.step(args, "bare")))
-    attempt(EAGER, lambda: extraction(EAGER))
-    shutil.rmtree(store_path(args, EAGER), ignore_errors=True)  # an 8B bf16 store of 1M tokens is 33 GB
-    if not args.no_default_run:  # before COMPILED: its compile finds the inductor cache cold
-        attempt(DEFAULT, lambda: extraction(DEFAULT))
-        shutil.rmtree(store_path(args, DEFAULT), ignore_errors=True)
-    attempt(COMPILED, lambda: extraction(COMPILED))
+    # DEFAULT before COMPILED: its compile finds the inductor cache cold. An 8B bf16 store of 1M
+    # tokens is 33 GB: each is removed once measured (COMPILED's after the comparison).
+    for name in (EAGER, DEFAULT, COMPILED):
+        if RUN_CHOICES[name] in args.runs.split(","):
+            attempt(name, lambda name=name: extraction(name))
+            if name != COMPILED:
+                shutil.rmtree(store_path(args, name), ignore_errors=True)
     if COMPILED in state["runs"]:
         attempt("compare", lambda: state.update(compared=through_ray.step(args, "compare", mode="gpu-limit")))
     shutil.rmtree(work / "stores", ignore_errors=True)
@@ -224,8 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help="report: merge the extract section into --results")
     parser.add_argument("--results", default=str(RESULTS), help="report --write: the results file")
     through_ray.add_workload_arguments(parser, work="/tmp/hsstore-work/gpu-limit", tokens=1_000_000, deadline_s=420)
-    parser.add_argument("--no-default-run", action="store_true",
-                        help=f"skip {DEFAULT} (the start is then the waiting compiled run's)")
+    parser.add_argument("--runs", default="eager,default,compiled",
+                        help=f"which extractions run (eager: {EAGER}, default: {DEFAULT}, compiled: {COMPILED}; "
+                        "the start is default's, else compiled's)")
     parser.add_argument("--split-records", type=int, default=200, help=argparse.SUPPRESS)  # through_ray.step passes it
     args = parser.parse_args(argv)
     if args.command == "report" and not args.json:

@@ -84,7 +84,7 @@ def test_tiny_cpu_gpu_limit_run_writes_the_extract_keys(tmp_path: Path) -> None:
         sys.executable, "-m", "benchmarks.bench_extract", "gpu-limit", "run", "--shape", "small", "--device", "cpu",
         "--executor", "local", "--tokens", "800", "--min-length", "64", "--max-length", "200", "--max-length-cap", "256",
         "--token-budget", "512", "--unit-tokens", "1024", "--planning-workers", "1", "--out", str(out),
-        "--work", str(tmp_path / "work"), "--no-default-run",  # the same extraction with another setting
+        "--work", str(tmp_path / "work"), "--runs", "eager,compiled",  # default: the same extraction, another setting
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=900)
