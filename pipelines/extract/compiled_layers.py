@@ -165,19 +165,24 @@ class CompiledDecoderLayers:
             raise RuntimeError("record_calls() first: the compile replays the warm-up's calls")
         calls, layer = self._recorder.stop(), self.layers[0]
         self._recorder = None
+        # The thread starts on CUDA's default device: name the caller's, index and all
+        # (``set_device`` refuses a bare "cuda").
+        cuda_index = None
+        if device.type == "cuda":
+            cuda_index = device.index if device.index is not None else torch.cuda.current_device()
 
         def compile_all() -> None:
             start = time.perf_counter()
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
+            if cuda_index is not None:
+                torch.cuda.set_device(cuda_index)
             self._compiling.here = True
             try:
                 with torch.inference_mode():  # the capture's mode: the guards must match its calls
                     while calls:
                         args, kwargs = calls.pop(0)
                         layer.forward(*args, **kwargs)  # the forward alone: no hooks run
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                if cuda_index is not None:
+                    torch.cuda.synchronize(cuda_index)
             finally:
                 self._compiling.here = False
             self.compile_seconds = time.perf_counter() - start

@@ -119,8 +119,11 @@ class _LinearSoftCrossEntropy(torch.autograd.Function):
                 chunk_out = kernel(logits, teacher_logits(rows, compute_dtype), keep)
             else:
                 chunk_out = kernel(logits, teacher.probs(rows, loss_dtype), keep)
-            ce_sum += chunk_out[0]
-            correct += chunk_out[1]
+            # Out of place: with ``+=`` into the zeros above, torch 2.11's AOTAutograd traced this
+            # Function's backward to all-zero gradients (compile: step/graph learnt nothing on
+            # the H200; tests/pipelines/train/test_compile_modes.py fails that way on 2.11).
+            ce_sum = ce_sum + chunk_out[0]
+            correct = correct + chunk_out[1]
             grad_logits[start : start + chunk] = chunk_out[2]
         # One matmul each over every scored position (bf16 in, float32 accumulation, like the
         # autocast matmul they replace); the [N, V] gradient lives only until here.
