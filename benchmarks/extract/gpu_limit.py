@@ -206,9 +206,20 @@ def report(args: argparse.Namespace) -> None:
     if args.write:
         path = Path(args.results)
         results = json.loads(path.read_text()) if path.exists() else {}
-        results["extract"] = extract  # the train section (issue 31's parts 3-4) is left as it is
+        # A run of some of the extractions (--runs) leaves the figures of the others as an
+        # earlier run measured them, and says which and when; the train section is left as it is.
+        earlier, earlier_details = results.get("extract", {}), results.get("extract_details", {})
+        kept = {key: earlier[key] for key, value in extract.items() if value is None and earlier.get(key) is not None}
+        results["extract"] = {**extract, **kept}
+        carried = {key: earlier_details.get("date") for key in kept}
+        for key, date in earlier_details.get("carried_from_earlier_runs", {}).items():
+            if key in kept:
+                carried[key] = date  # already carried once: keep the date it was measured
+        details = {**details, **{key: earlier_details[key] for key, value in details.items()
+                                 if value is None and earlier_details.get(key) is not None}}
+        details["runs"] = {**earlier_details.get("runs", {}), **details.get("runs", {})}
         results["extract_details"] = {**details, "machine": measured["machine"], "date": measured["date"],
-                                      "settings": measured["settings"]}
+                                      "settings": measured["settings"], "carried_from_earlier_runs": carried}
         path.write_text(json.dumps(results, indent=2) + "\n")
         print(f"wrote the extract section of {path}")
 
