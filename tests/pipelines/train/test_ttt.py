@@ -20,20 +20,20 @@ from tests.support.models import build_draft
 def ttt_draft(sliding_window: int | None = None, seed: int = 0, **overrides) -> Eagle3Draft:
     """A float64 draft small enough for the slow reference, with non-unit norms so that a swapped
     norm is caught (no vocabulary mapping: the reference scores target ids as they are)."""
-    config = Eagle3Config(
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=48,
-        vocab_size=64,
-        draft_vocab_size=40,
-        target_hidden_size=24,
-        aux_layer_ids=[1, 2, 3],
-        sliding_window=sliding_window,
-        rope_theta=500.0,
+    config = Eagle3Config(**{
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "intermediate_size": 48,
+        "vocab_size": 64,
+        "draft_vocab_size": 40,
+        "target_hidden_size": 24,
+        "aux_layer_ids": [1, 2, 3],
+        "sliding_window": sliding_window,
+        "rope_theta": 500.0,
         **overrides,
-    )
+    })
     return build_draft(config, seed, vocab_mapping=False, dtype=torch.float64)
 
 
