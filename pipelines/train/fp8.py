@@ -73,7 +73,10 @@ def scaled_mm(a8: torch.Tensor, b8: torch.Tensor, scale_a: torch.Tensor, scale_b
     on the 2-core VM, minutes for the CPU smoke of a tiny draft."""
     if a8.device.type == "cuda":
         return torch._scaled_mm(a8, b8, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
-    return ((a8.float() @ b8.float()) * (scale_a * scale_b)).to(out_dtype)
+    # copy=True: a float32 out_dtype would otherwise return the product itself, and torch 2.11's
+    # AOTAutograd traced an autograd.Function whose output aliases its own intermediate to zero
+    # gradients (compile: step on the CPU; the loss's sums had the same trap, pipelines.train.loss).
+    return ((a8.float() @ b8.float()) * (scale_a * scale_b)).to(out_dtype, copy=True)
 
 
 def _column_major(t: torch.Tensor) -> torch.Tensor:
