@@ -43,9 +43,9 @@ class CompileMode(StrEnum):
         return self in (CompileMode.STEP, CompileMode.GRAPH)
 
 
-# What ``compile: auto`` picks on CUDA. ``layers`` is what has been measured (24.9k tokens/s at the
-# 8B shape, every position scored); the GPU run of ``bench_train step-modes`` decides whether
-# ``step`` or ``graph`` replaces it.
+# What ``compile: auto`` picks on CUDA. At the 8B shape, every position scored (H200, 2026-12-03):
+# graph 25,606 tokens/s, step 25,605, layers 25,028; graph compiles in ~126 s, layers in ~17 s.
+# 2% does not pay for the compile on short runs, so layers stays (benchmarks/RESULTS.md).
 CUDA_DEFAULT = CompileMode.LAYERS
 
 
