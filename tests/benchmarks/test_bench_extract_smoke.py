@@ -112,6 +112,20 @@ def test_tiny_cpu_gpu_limit_run_writes_the_extract_keys(tmp_path: Path) -> None:
     merged = json.loads(results.read_text())
     assert merged["extract"] == extract and merged["train"] == {"all_scored_bf16_tokens_per_s": 1.0}
 
+    # A later run of some of the extractions (--runs default) keeps the others' figures, and says so.
+    later = json.loads((out / "gpu-limit-extract.json").read_text())
+    later["extract"]["compiled_tokens_per_s"] = later["details"]["compiled_vs_bare"] = None
+    later["extract"]["first_forward_seconds"], later["date"] = 1.5, "later"
+    (out / "later.json").write_text(json.dumps(later))
+    report[5] = str(out / "later.json")
+    done = subprocess.run(report, cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    merged = json.loads(results.read_text())
+    assert merged["extract"]["compiled_tokens_per_s"] == extract["compiled_tokens_per_s"]
+    assert merged["extract"]["first_forward_seconds"] == 1.5
+    assert merged["extract_details"]["compiled_vs_bare"] == details["compiled_vs_bare"]
+    assert merged["extract_details"]["carried_from_earlier_runs"] == {"compiled_tokens_per_s": measured["date"]}
+
 
 # -- the trace mode, on a small GPU-shaped trace: the device's first kernel, its idle gaps with the
 # host ranges at that time, and the longest host calls before the first kernel.
