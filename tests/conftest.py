@@ -99,7 +99,6 @@ def ray_session() -> Iterator[Any]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    _heavy_modules_first(items)
     try:
         import torch
 
@@ -112,14 +111,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
-
-
-def _heavy_modules_first(items: list[pytest.Item]) -> None:
-    """Modules holding a ``slow`` or ``reliability`` test first, the rest after, each in its order.
-    ``make test`` hands whole modules to two xdist workers in this order (``--dist loadfile``): a
-    minutes-long module handed out last would leave one worker idle while the other finishes it."""
-    heavy = {item.path for item in items if "slow" in item.keywords or "reliability" in item.keywords}
-    items.sort(key=lambda item: item.path not in heavy)  # stable: the order within each group stays
 
 
 # -- S3: a fresh store on the session's endpoint (s3_endpoint above), reached through s3fs --------
