@@ -178,6 +178,26 @@ def test_the_layers_compile_in_the_background_and_take_over_once_compiled() -> N
         compiled.restore()
 
 
+@pytest.mark.gpu
+def test_the_background_compile_takes_a_cuda_device_without_an_index() -> None:
+    """The worker's device is ``cuda`` (no index); the compile thread must name one to
+    ``set_device``, which refuses a bare ``cuda`` (the H200 run of 2026-12-03 failed so)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch._dynamo.reset()
+    device = torch.device("cuda")
+    model = models.tiny_qwen3(embed_scale=20.0).to(device)
+    compiled = CompiledDecoderLayers(model.model.layers, deferred=True, backend="aot_eager")
+    try:
+        compiled.record_calls()
+        with torch.inference_mode():
+            model.model(input_ids=torch.randint(0, 64, (2, 12), device=device), use_cache=False)
+        compiled.compile_in_background(device, wait=True)
+        assert compiled.ready(fail_quietly=False) and compiled.num_graphs == 1
+    finally:
+        compiled.restore()
+
+
 def test_a_failed_background_compile_runs_eager_under_auto_and_raises_when_asked_for() -> None:
     """A compile that fails on its thread surfaces when the worker next asks (``ready``): under
     ``auto`` the layers go back to eager for good, logged; ``compile: true`` raises, naming the
