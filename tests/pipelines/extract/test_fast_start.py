@@ -44,7 +44,9 @@ def test_the_first_commit_waits_for_the_hashes_and_creates_the_store(tmp_path: P
     assert not pending.store_exists and not location.exists("manifest.json")  # nothing written yet
     threading.Timer(0.3, release.set).start()
     lineage = pending.get()
-    assert pending.wait_seconds >= 0.2 and pending.hash_seconds >= pending.wait_seconds
+    # The wait includes the waiter's wake-up after the hashes are done (it once exceeded the
+    # hashing by 0.6 ms on a loaded CI machine): equal within a scheduling delay.
+    assert pending.wait_seconds >= 0.2 and pending.hash_seconds >= pending.wait_seconds - 0.05
     assert lineage.target.weights_sha256 == weights and lineage.data_fingerprint == "data-sha"
     assert hsstore.open_store(location.url).lineage == lineage  # created, with the whole lineage
     assert pending.get() is lineage  # once
