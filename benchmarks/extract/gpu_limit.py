@@ -90,8 +90,9 @@ def run(args: argparse.Namespace) -> None:
     attempt("bare", lambda: state.update(bare=through_ray.step(args, "bare")))
     # DEFAULT before COMPILED: its compile finds the inductor cache cold. An 8B bf16 store of 1M
     # tokens is 33 GB: each is removed once measured (COMPILED's after the comparison).
+    chosen = args.runs.split(",")
     for name in (EAGER, DEFAULT, COMPILED):
-        if RUN_CHOICES[name] in args.runs.split(","):
+        if RUN_CHOICES[name] in chosen:
             attempt(name, lambda name=name: extraction(name))
             if name != COMPILED:
                 shutil.rmtree(store_path(args, name), ignore_errors=True)
@@ -208,20 +209,23 @@ def report(args: argparse.Namespace) -> None:
         results = json.loads(path.read_text()) if path.exists() else {}
         # A run of some of the extractions (--runs) leaves the figures of the others as an
         # earlier run measured them, and says which and when; the train section is left as it is.
-        earlier, earlier_details = results.get("extract", {}), results.get("extract_details", {})
-        kept = {key: earlier[key] for key, value in extract.items() if value is None and earlier.get(key) is not None}
+        earlier_details = results.get("extract_details", {})
+        kept = not_measured_here(extract, results.get("extract", {}))
         results["extract"] = {**extract, **kept}
-        carried = {key: earlier_details.get("date") for key in kept}
-        for key, date in earlier_details.get("carried_from_earlier_runs", {}).items():
-            if key in kept:
-                carried[key] = date  # already carried once: keep the date it was measured
-        details = {**details, **{key: earlier_details[key] for key, value in details.items()
-                                 if value is None and earlier_details.get(key) is not None}}
+        # A figure already carried once keeps the date it was measured.
+        dates = earlier_details.get("carried_from_earlier_runs", {})
+        carried = {key: dates.get(key, earlier_details.get("date")) for key in kept}
+        details = {**details, **not_measured_here(details, earlier_details)}
         details["runs"] = {**earlier_details.get("runs", {}), **details.get("runs", {})}
         results["extract_details"] = {**details, "machine": measured["machine"], "date": measured["date"],
                                       "settings": measured["settings"], "carried_from_earlier_runs": carried}
         path.write_text(json.dumps(results, indent=2) + "\n")
         print(f"wrote the extract section of {path}")
+
+
+def not_measured_here(measured: dict[str, Any], earlier: dict[str, Any]) -> dict[str, Any]:
+    """The earlier figures of the keys this run left None (the extractions ``--runs`` skipped)."""
+    return {key: earlier[key] for key, value in measured.items() if value is None and earlier.get(key) is not None}
 
 
 def fmt(value: Any) -> str:
@@ -242,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
                         "the start is default's, else compiled's)")
     parser.add_argument("--split-records", type=int, default=200, help=argparse.SUPPRESS)  # through_ray.step passes it
     args = parser.parse_args(argv)
+    unknown = set(args.runs.split(",")) - set(RUN_CHOICES.values())
+    if unknown:
+        parser.error(f"--runs: unknown {', '.join(sorted(unknown))} (choose from {', '.join(RUN_CHOICES.values())})")
     if args.command == "report" and not args.json:
         parser.error("report needs the gpu-limit-extract.json a run wrote")
     {"run": run, "compare": compare, "report": report}[args.command](args)

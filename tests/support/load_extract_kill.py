@@ -170,8 +170,8 @@ def run_load(
             if kill.next_commit_s is None:
                 kill.next_commit_s = now - kill.at_s
         if kill_every and len(commits) % kill_every == 0:
-            deadline = time.monotonic() + 10
-            while not (busy := actor_processes(busy=True, raylet=own_raylet())) and time.monotonic() < deadline:
+            deadline, raylet = time.monotonic() + 10, own_raylet()
+            while not (busy := actor_processes(busy=True, raylet=raylet)) and time.monotonic() < deadline:
                 time.sleep(0.01)
             if busy:
                 os.kill(busy[0], signal.SIGKILL)
