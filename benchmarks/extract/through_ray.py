@@ -698,7 +698,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser, *, work: str, tokens
     parser.add_argument("--work", default=work)
     parser.add_argument("--shape", default="qwen3-8b", choices=sorted(AUX_LAYER_IDS))
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--executor", default="ray", choices=["ray", "local"])
+    parser.add_argument("--executor", default="ray", choices=["ray", "local", "auto"])
     parser.add_argument("--tokens", type=int, default=tokens)
     parser.add_argument("--min-length", type=int, default=1024)
     parser.add_argument("--max-length", type=int, default=2048)

@@ -39,7 +39,10 @@ own, one layer, under the capture's inference mode, and only that thread's calls
 compiler. The worker takes units meanwhile, eager; once every recorded call has compiled, the
 compiled forwards serve the next batches (a batch in flight may mix layers of both: each computes
 the same function). So the first forward no longer waits for the compile (~15 s on an H200 for the
-8B shape), and the GPU is not idle while dynamo and inductor work on the CPU.
+8B shape), and the GPU is not idle while dynamo and inductor work on the CPU. While the compile
+runs, the interpreter switches threads every 0.1 ms (:data:`COMPILE_SWITCH_INTERVAL_S`): at
+Python's 5 ms the units' eager forwards waited for the GIL after every op, and ran at a fraction of
+their speed beside the compile.
 
 CUDA graphs (``mode="reduce-overhead"``) are not used: a graph is recorded per distinct shape, and
 the shapes change every batch; a forward of a 32k-token batch of an 8B model is ~1 s of GEMMs, so
@@ -49,6 +52,7 @@ launch overhead is not what limits it.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -61,6 +65,14 @@ from torch import nn
 from pipelines.extract.errors import ExtractionError
 
 logger = logging.getLogger(__name__)
+
+# The interpreter's switch interval while the layers compile in the background (Python's default:
+# 5 ms). Every torch op releases the GIL and takes it back; beside a thread that runs Python without
+# pause (dynamo and inductor), taking it back waits out the interval, so the eager forwards of the
+# units running meanwhile issue about one op per interval: a forward of a 36-layer target is ~1,000
+# ops, 5 s of waiting for ~1 s of GPU work. At 0.1 ms the wait per forward is ~0.1 s, hidden behind
+# the GPU (benchmarks/LOG.md, 2026-12-03: the GIL convoy).
+COMPILE_SWITCH_INTERVAL_S = 1e-4
 
 # Compiled graphs of the decoder layers per worker before it stops compiling (see the module doc):
 # one with no attention mask, one with a mask, one per layer class of a model with two (sliding and
@@ -176,6 +188,8 @@ class CompiledDecoderLayers:
             if cuda_index is not None:
                 torch.cuda.set_device(cuda_index)
             self._compiling.here = True
+            switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(COMPILE_SWITCH_INTERVAL_S)
             try:
                 with torch.inference_mode():  # the capture's mode: the guards must match its calls
                     while calls:
@@ -185,6 +199,7 @@ class CompiledDecoderLayers:
                     torch.cuda.synchronize(cuda_index)
             finally:
                 self._compiling.here = False
+                sys.setswitchinterval(switch_interval)
             self.compile_seconds = time.perf_counter() - start
             self.compiled_at = time.time()
             self.active = True

@@ -37,6 +37,7 @@ from typing import Any
 from hsstore import FeatureSpec, Lineage, committed_shard_ids
 from hsstore.storage import StoreLocation
 from pipelines.extract.batching import plan_batches
+from pipelines.extract.executors import resolve_executor
 from pipelines.extract.lineage import (
     PendingLineage,
     aux_layer_ids_for,
@@ -86,12 +87,15 @@ def run_extraction(
     """
     wall_start, job_started_at = time.perf_counter(), time.time()
     started_ray = False
+    recipe = recipe.model_copy(update={"executor": resolve_executor(recipe.executor, recipe.ray)})
     try:
         if recipe.executor == "ray" and not dry_run:
             setup, started_ray = prepare_beside_ray(recipe)
         else:
             setup = prepare(recipe)
-        summary = ExtractionSummary(store=setup.recipe.store, rejects_path="", dry_run=dry_run)
+        summary = ExtractionSummary(
+            store=setup.recipe.store, rejects_path="", dry_run=dry_run, executor=recipe.executor
+        )
         summary.prepare_seconds = time.time() - job_started_at
         summary.feature_bytes_per_token = sum(f.raw_bytes_per_token for f in setup.features)
         if dry_run:

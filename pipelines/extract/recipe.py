@@ -266,8 +266,11 @@ class ExtractRecipe(RecipeModel):
         "by default s3fs reads the AWS environment (AWS_ENDPOINT_URL, keys, profile)",
     )
     limit: int | None = Field(None, ge=1, description="read at most this many records (smoke runs)")
-    executor: Literal["local", "ray"] = Field(
-        "ray", description="ray: actors (local Ray by default); local: same worker code in process"
+    executor: Literal["auto", "local", "ray"] = Field(
+        "auto",
+        description="ray: actors (local Ray by default); local: same worker code in process; auto: "
+        "local when the job has one worker on this machine (no ray.address, at most one GPU visible, "
+        "ray.num_workers unset or 1), else ray",
     )
     model: ModelSection = Field(default_factory=ModelSection)
     tokenizer: TokenizerSection = Field(default_factory=TokenizerSection)

@@ -23,6 +23,7 @@ class ExtractionSummary:
     store: str
     rejects_path: str
     dry_run: bool = False  # planned only: nothing was extracted or written
+    executor: str = ""  # what ran the workers: "local" or "ray" (``executor: auto`` resolved)
     num_records: int = 0
     num_samples: int = 0
     num_tokens: int = 0
@@ -198,7 +199,7 @@ class ExtractionSummary:
                 if self.compiled else ", eager"
             )
             lines += [
-                f"start            prepared after {self.prepare_seconds:.1f} s, executor started in "
+                f"start            prepared after {self.prepare_seconds:.1f} s, executor ({self.executor}) started in "
                 f"{self.executor_start_seconds:.1f} s, first worker up after {self.worker_start_seconds:.1f} s, "
                 f"first unit planned after {self.first_unit_planned_seconds:.1f} s",
                 f"                 workers ready after {self.workers_ready_seconds:.1f} s (model loaded in "

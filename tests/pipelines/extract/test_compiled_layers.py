@@ -5,12 +5,14 @@ compiled layers against the eager one and the float32 truth."""
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from pipelines.extract import run_extraction
+from pipelines.extract import compiled_layers, run_extraction
 from pipelines.extract.compiled_layers import (
     CompiledDecoderLayers,
     compile_warm_up,
@@ -176,6 +178,31 @@ def test_the_layers_compile_in_the_background_and_take_over_once_compiled() -> N
         torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
     finally:
         compiled.restore()
+
+
+def test_the_background_compile_shortens_the_switch_interval_while_it_runs() -> None:
+    """While dynamo and inductor run on the compile thread, the interpreter switches threads every
+    0.1 ms instead of 5, so the units' eager ops get the GIL back quickly (the module's
+    COMPILE_SWITCH_INTERVAL_S); the interval is restored once the compile is done, or has failed."""
+    seen: list[float] = []
+
+    def watching_backend(graph: torch.fx.GraphModule, inputs: list) -> Any:
+        seen.append(sys.getswitchinterval())
+        if len(seen) > 1:
+            raise RuntimeError("the second compile fails")
+        return graph.forward
+
+    before = sys.getswitchinterval()
+    for _ in range(2):  # compiles, then fails
+        torch._dynamo.reset()
+        model = models.tiny_qwen3(embed_scale=20.0)
+        compiled = CompiledDecoderLayers(model.model.layers, deferred=True, backend=watching_backend)
+        _layer_calls(model, compiled)
+        compiled.compile_in_background(torch.device("cpu"), wait=True)
+        compiled.ready(fail_quietly=True)
+        compiled.restore()
+        assert sys.getswitchinterval() == before
+    assert seen == pytest.approx([compiled_layers.COMPILE_SWITCH_INTERVAL_S] * 2, rel=1e-3) and before > 10 * seen[0]
 
 
 @pytest.mark.gpu

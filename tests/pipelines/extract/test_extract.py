@@ -171,13 +171,34 @@ def test_cli_runs_a_recipe_and_reports_bad_keys(tiny_qwen3: Path, mixed_data: Pa
     assert "token_budget (8) must be >= max_length (4096)" in capsys.readouterr().err
 
 
+def test_auto_runs_a_lone_worker_in_process(tiny_qwen3: Path, mixed_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``executor: auto`` (the default): one worker on this machine runs in process, anything more
+    (a cluster address, several actors, several GPUs) on Ray; the GPUs are counted without torch."""
+    from pipelines.extract.executors import resolve_executor, visible_gpu_count
+    from pipelines.extract.recipe import RaySection
+
+    lone = RaySection()
+    assert [resolve_executor("auto", lone, gpus=n) for n in (0, 1, 2)] == ["local", "local", "ray"]
+    assert resolve_executor("auto", RaySection(address="auto"), gpus=0) == "ray"
+    assert resolve_executor("auto", RaySection(num_workers=2), gpus=1) == "ray"
+    assert resolve_executor("auto", RaySection(num_workers=1), gpus=0) == "local"
+    assert resolve_executor("ray", lone, gpus=0) == "ray" and resolve_executor("local", lone, gpus=8) == "local"
+    for visible, count in (("0,1", 2), ("3", 1), ("", 0), ("-1", 0), ("0,-1,1", 1)):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        assert visible_gpu_count() == count, visible
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    summary = run_extraction(make_recipe(tiny_qwen3, [mixed_data], tmp_path / "store", executor="auto", limit=2))
+    assert summary.executor == "local" and summary.num_samples == 2
+    assert "executor (local)" in summary.format()
+
+
 @pytest.mark.parametrize("path", ["recipes/reference/extract.yaml", "recipes/qwen3/qwen3-8b-eagle3-extract.yaml"])
 def test_shipped_recipes_validate(path: str) -> None:
     from pipelines.extract.recipe import ExtractRecipe
     from pipelines.recipe import load_recipe
 
     recipe = load_recipe(ExtractRecipe, REPO_ROOT / path)
-    assert recipe.executor == "ray" and recipe.capture.target_distribution == "final_hidden"
+    assert recipe.executor == "auto" and recipe.capture.target_distribution == "final_hidden"
 
 
 def test_reference_recipe_runs_from_the_repo_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
