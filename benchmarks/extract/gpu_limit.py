@@ -56,7 +56,7 @@ RUN_CHOICES = {EAGER: "eager", DEFAULT: "default", COMPILED: "compiled"}  # --ru
 START_FIELDS = ("wall_seconds", "process_seconds", "extract_seconds", "prepare_seconds", "executor_start_seconds",
                 "worker_start_seconds", "model_load_seconds", "host_buffers_seconds", "warmup_seconds",
                 "workers_ready_seconds", "first_unit_planned_seconds", "first_forward_seconds", "compiled",
-                "compiled_graphs", "units_run_eager_while_compiling", "fingerprint_seconds", "lineage_wait_seconds", "head_seconds", "tail_seconds",
+                "compiled_graphs", "units_run_eager_while_compiling", "compile_seconds", "fingerprint_seconds", "lineage_wait_seconds", "head_seconds", "tail_seconds",
                 "gpu_forward_seconds", "padding_waste", "num_tokens_written")
 
 

@@ -37,7 +37,7 @@ from typing import Any
 from hsstore import FeatureSpec, Lineage, committed_shard_ids
 from hsstore.storage import StoreLocation
 from pipelines.extract.batching import plan_batches
-from pipelines.extract.executors import resolve_executor
+from pipelines.extract.executor_choice import resolve_executor
 from pipelines.extract.lineage import (
     PendingLineage,
     aux_layer_ids_for,

@@ -92,6 +92,7 @@ class ExtractionSummary:
     compiled_graphs: int = 0  # the most any worker compiled (1: one graph serves every batch)
     # Units run eager while the layers compiled in the background (compiled_layers.py).
     units_run_eager_while_compiling: int = 0
+    compile_seconds: float = 0.0  # the slowest worker's background compile (0.0: none finished)
     fingerprint_seconds: float = 0.0
     lineage_wait_seconds: float = 0.0
 
@@ -194,7 +195,7 @@ class ExtractionSummary:
         ]
         if self.workers_ready_seconds:
             compiled = (
-                f"; compiled in the background into {self.compiled_graphs} graph(s), "
+                f"; compiled in the background in {self.compile_seconds:.1f} s into {self.compiled_graphs} graph(s), "
                 f"{self.units_run_eager_while_compiling} unit(s) eager meanwhile"
                 if self.compiled else ", eager"
             )

@@ -141,6 +141,7 @@ class UnitCommitter:
         summary.gpu_between_seconds += result.gpu_between_seconds
         summary.units_run_eager_while_compiling += not result.compiled and summary.compiled
         summary.compiled_graphs = max(summary.compiled_graphs, result.compiled_graphs)
+        summary.compile_seconds = max(summary.compile_seconds, result.compile_seconds)
         self.marks.add(result)
 
 

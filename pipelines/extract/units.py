@@ -106,6 +106,7 @@ class UnitResult:
     # the background while the first units run eager), and the worker's graphs so far.
     compiled: bool = False
     compiled_graphs: int = 0
+    compile_seconds: float = 0.0  # the background compile's, once done (0.0 until then)
 
 
 @dataclass(frozen=True)

@@ -208,6 +208,7 @@ class ExtractionWorker:
             rejected=tuple(rejected_sample(unit, i, error) for i, error in sorted(done.failures)),
             compiled=done.compiled,
             compiled_graphs=self.compiled.num_graphs if self.compiled else 0,
+            compile_seconds=self.compiled.compile_seconds if self.compiled else 0.0,
         )
 
     def _on_compute_thread(self, fn: Callable[..., Any], *args: Any) -> Any:

@@ -174,7 +174,7 @@ def test_cli_runs_a_recipe_and_reports_bad_keys(tiny_qwen3: Path, mixed_data: Pa
 def test_auto_runs_a_lone_worker_in_process(tiny_qwen3: Path, mixed_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``executor: auto`` (the default): one worker on this machine runs in process, anything more
     (a cluster address, several actors, several GPUs) on Ray; the GPUs are counted without torch."""
-    from pipelines.extract.executors import resolve_executor, visible_gpu_count
+    from pipelines.extract.executor_choice import resolve_executor, visible_gpu_count
     from pipelines.extract.recipe import RaySection
 
     lone = RaySection()
