@@ -61,17 +61,7 @@ def load_target(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pipelines.extract.direct_load import load_direct
-
     device = torch.device(device)
-    # A plain safetensors checkpoint goes straight into a model built on the device (direct_load.py:
-    # several times faster); anything else, and remote code, through from_pretrained.
-    model = None if trust_remote_code else load_direct(
-        target, dtype=getattr(torch, dtype), device=device, attn_implementation=attn_implementation
-    )
-    if model is not None:
-        model.requires_grad_(False)
-        return model
     kwargs: dict[str, Any] = {
         "dtype": getattr(torch, dtype),
         "trust_remote_code": trust_remote_code,
