@@ -222,8 +222,11 @@ class LocalRayCluster:
         """Ray node ids of the live nodes that have ``resource`` (the worker nodes' custom one)."""
         return [n["NodeID"] for n in self.node_table() if n["Alive"] and resource in n["Resources"]]
 
-    def wait_for_nodes(self, count: int, timeout_s: float = START_TIMEOUT_S) -> None:
-        """Wait until the GCS lists ``count`` live nodes; fail early if a ``ray start`` exits."""
+    def wait_for_nodes(
+        self, count: int, timeout_s: float = START_TIMEOUT_S, new_besides: set[str] | None = None
+    ) -> None:
+        """Wait until the GCS lists ``count`` live nodes (and, with ``new_besides``, a live one whose
+        id is not in it); fail early if a ``ray start`` exits."""
         deadline = time.monotonic() + timeout_s
         seen = None
         while time.monotonic() < deadline:
@@ -234,8 +237,10 @@ class LocalRayCluster:
                         f"ray start of {node.name} exited {node.process.returncode}:\n{log}"
                     )
             with contextlib.suppress(ClusterError, subprocess.TimeoutExpired):
-                seen = sum(n["Alive"] for n in self.node_table())
-                if seen == count:
+                table = self.node_table()
+                seen = sum(n["Alive"] for n in table)
+                fresh = new_besides is None or any(n["Alive"] and n["NodeID"] not in new_besides for n in table)
+                if seen == count and fresh:
                     return
             time.sleep(0.5)
         raise ClusterError(
@@ -260,9 +265,12 @@ class LocalRayCluster:
             time.sleep(0.1)
 
     def restart_node(self, node: RayNode) -> None:
-        """The node comes back: the same ``ray start`` again (a new raylet; Ray sees a new node)."""
+        """The node comes back: the same ``ray start`` again (a new raylet; Ray sees a new node).
+        Waits for a node id the GCS did not list before: a count of live nodes alone can match
+        early, while the GCS still lists the killed raylet as alive (for up to ~8 s)."""
+        known = {entry["NodeID"] for entry in self.node_table()}
         self._launch(node)
-        self.wait_for_nodes(self.num_alive())
+        self.wait_for_nodes(self.num_alive(), new_besides=known)
 
     def stop(self) -> None:
         for node in reversed(self.nodes):
