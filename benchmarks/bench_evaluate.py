@@ -170,6 +170,7 @@ def decode_settings(argv: list[str] | None = None) -> int:
 # Modes: ``python -m benchmarks.bench_evaluate MODE --help``; without a mode, :func:`decode_settings` runs.
 MODES = {
     "reference-draft": "benchmarks.evaluate.reference_draft",
+    "ceiling": "benchmarks.evaluate.ceiling",
 }
 
 

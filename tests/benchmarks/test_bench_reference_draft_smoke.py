@@ -13,7 +13,7 @@ from tests.support.paths import REFERENCE_TARGET
 pytestmark = pytest.mark.slow
 
 
-def export_untrained(folder: Path, seed: int) -> None:
+def export_untrained(folder: Path, seed: int, draft_vocab_size: int = 512) -> None:
     import torch
 
     from pipelines.export.serving import export_draft
@@ -22,7 +22,7 @@ def export_untrained(folder: Path, seed: int) -> None:
 
     torch.manual_seed(seed)
     target_config = json.loads((REFERENCE_TARGET / "config.json").read_text())
-    config = Eagle3Config.from_target_config(target_config, draft_vocab_size=512, aux_layer_ids=[2, 4, 5])
+    config = Eagle3Config.from_target_config(target_config, draft_vocab_size=draft_vocab_size, aux_layer_ids=[2, 4, 5])
     project = save_draft(Eagle3Draft(config), folder.with_name(folder.name + "-project"))
     export_draft(project, "eagle3", folder, dtype="float32")
 

@@ -1,0 +1,65 @@
+"""``python -m benchmarks.bench_evaluate ceiling`` at a tiny size: two probe prompts built from a
+folder of Python files, the target's greedy answers, their store, a two-step fine-tune of an
+untrained "shipped" draft, both drafts decoded and scored, and the report merged into a results
+file whose other keys stay as they were (the numbers are measured in RESULTS.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.benchmarks.test_bench_reference_draft_smoke import export_untrained
+from tests.support.paths import TRAIN_SLICE
+
+pytestmark = pytest.mark.slow
+
+
+def write_sources(folder: Path) -> None:
+    """Python files long enough to give chat prompts (the builder alternates by path hash)."""
+    folder.mkdir()
+    for index in range(12):
+        body = "".join(
+            f"def function_{index}_{n}(value):\n    \"\"\"Return value plus {n}.\"\"\"\n    return value + {n}\n\n\n"
+            for n in range(12)
+        )
+        (folder / f"module_{index}.py").write_text(f'"""Module {index}."""\n\n' + body)
+
+
+def test_the_ceiling_runs_every_stage_and_merges_its_report(tmp_path: Path) -> None:
+    from benchmarks import bench_evaluate
+
+    sources, work, shipped = tmp_path / "sources", tmp_path / "work", tmp_path / "shipped"
+    write_sources(sources)
+    export_untrained(shipped, seed=0, draft_vocab_size=2048)  # the training recipe's vocabulary size
+    reserved = tmp_path / "reserved.sha256"
+    reserved.write_text("# no reserved files\n")
+    out = tmp_path / "reference-draft.json"
+    out.write_text(json.dumps({
+        "al_tree_t0": 3.0, "shipped_rung": "greedy",
+        "ladder": {"raw": {"al_tree_t0": 2.5, "al_chain5_t0": 2.0}, "greedy": {"al_tree_t0": 3.0, "al_chain5_t0": 2.2}},
+    }))
+    common = ["ceiling", "--work", str(work), "--num-prompts", "2", "--skip-files", "0", "--source-root", str(sources),
+              "--reserved", str(reserved), "--exclude-sources", str(TRAIN_SLICE), "--shipped", str(shipped),
+              "--answer-tokens", "6", "--max-new-tokens", "4", "--train-steps", "2", "--token-budget", "2048",
+              "--out", str(out)]
+    assert bench_evaluate.main(common) == 0
+    stages = json.loads((work / "stages.json").read_text())
+    assert stages["probe"]["prompts"] == 2 and stages["extract"]["samples"] == 2
+    assert stages["contexts"]["prompt_ids_equal"] == 2
+    assert stages["train"]["steps"] == 2 and stages["train"]["train_acc_per_depth_by_epoch"]
+    assert len(stages["accuracy"]["ceiling"]["accuracy_per_depth"]) == 7
+
+    assert bench_evaluate.main([*common, "--report"]) == 0
+    results = json.loads(out.read_text())
+    assert results["al_tree_t0"] == 3.0 and results["ladder"]["raw"]["al_tree_t0"] == 2.5  # kept as they were
+    ceiling = results["acceptance_ceiling"]
+    for draft in ("ceiling", "shipped"):
+        assert ceiling["acceptance_length"][draft]["al_tree_t0"] >= 1.0
+        assert ceiling["acceptance_length"][draft]["al_chain5_t0"] >= 1.0
+    assert set(ceiling["measured_ratios"]) == {"ceiling_over_shipped_chain5_t0", "ceiling_over_shipped_tree_t0"}
+    versus_raw = ceiling["versus_raw_data_draft"]["tree_t0"]
+    assert versus_raw["raw_on_eval"] == 2.5 and versus_raw["aim_1_3x_raw"] == 3.25
+    assert {"ceiling_on_eval_estimate", "over_raw_estimate", "ceiling_on_probe_over_raw_on_eval"} <= set(versus_raw)
+    assert ceiling["steps"]["generate"]["answers"] == 2 and "contexts" in ceiling["steps"]
