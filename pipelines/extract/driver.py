@@ -85,17 +85,14 @@ def run_extraction(
     called after each unit's commit (tests use it to inject faults). ``dry_run`` plans only: reads
     and tokenizes every record, cuts the units, counts, and touches neither the store nor the model.
     """
-    wall_start, job_started_at = time.perf_counter(), time.time()
-    started_ray = False
+    wall_start, job_started_at, started_ray = time.perf_counter(), time.time(), False
     recipe = recipe.model_copy(update={"executor": resolve_executor(recipe.executor, recipe.ray)})
     try:
         if recipe.executor == "ray" and not dry_run:
             setup, started_ray = prepare_beside_ray(recipe)
         else:
             setup = prepare(recipe)
-        summary = ExtractionSummary(
-            store=setup.recipe.store, rejects_path="", dry_run=dry_run, executor=recipe.executor
-        )
+        summary = ExtractionSummary(setup.recipe.store, "", dry_run=dry_run, executor=recipe.executor)
         summary.prepare_seconds = time.time() - job_started_at
         summary.feature_bytes_per_token = sum(f.raw_bytes_per_token for f in setup.features)
         if dry_run:
