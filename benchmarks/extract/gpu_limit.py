@@ -9,7 +9,8 @@ directory, a word-level tokenizer, ``--tokens`` of 1,024-2,048-token text record
 (``model.model(input_ids)``, no mask, over exactly the batches the extraction plans); the run
 ``bf16-1`` (``model.compile: false``); the run ``bf16-1-compiled-background`` (``model.compile: true``
 as the default starts it: eager units while the layers compile in the background, with an inductor
-cache as cold as the machine's): the start and the job's wall; the run ``bf16-1-compiled`` (ready
+cache as cold as the machine's): the start and the job's wall (through Ray unless ``--executor``
+says otherwise; ``--executor auto``, the recipes' default, runs a one-GPU job in process); the run ``bf16-1-compiled`` (ready
 only once compiled: every unit compiled): the steady state; ``compare`` (the compiled store's first
 unit against the eager capture code on the same batches, in process).
 

@@ -92,7 +92,8 @@ def run_extraction(
             setup, started_ray = prepare_beside_ray(recipe)
         else:
             setup = prepare(recipe)
-        summary = ExtractionSummary(setup.recipe.store, "", dry_run=dry_run, executor=recipe.executor)
+        summary = ExtractionSummary(store=setup.recipe.store, rejects_path="", dry_run=dry_run,
+                                    executor=recipe.executor)
         summary.prepare_seconds = time.time() - job_started_at
         summary.feature_bytes_per_token = sum(f.raw_bytes_per_token for f in setup.features)
         if dry_run:
