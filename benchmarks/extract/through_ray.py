@@ -88,7 +88,9 @@ def prepare(args: argparse.Namespace) -> None:
     if not (model_dir / "config.json").exists():
         device = torch.device(args.device)
         model = build_model(args.shape, torch.bfloat16, device)
-        model.save_pretrained(model_dir)
+        # Shards of at most 4 GB, as the Qwen3-8B checkpoint ships (5 files): the lineage hashes
+        # them in parallel, and the loaders read what a user's target gives them.
+        model.save_pretrained(model_dir, max_shard_size="4GB")
         vocab_size = model.config.vocab_size
         del model
         # Specials must not be words' prefixes: a special token is matched anywhere in the text.
@@ -151,7 +153,8 @@ def write_recipe(
         # compile before the first unit (the steady state); "-compiled-background" is the default
         # start (eager units while the layers compile).
         "model": {"dtype": "bfloat16", "device": "auto" if args.device == "cuda" else "cpu", "compile": is_compiled(name),
-                  "compile_in_background": "background" in name.split("-")[2:]},
+                  "compile_in_background": "background" in name.split("-")[2:],
+                  "weights_loader": "transformers" if "hfload" in name.split("-")[2:] else "auto"},
         "capture": {"aux_layer_ids": AUX_LAYER_IDS[args.shape]},
         "codecs": {
             "aux_hidden_states": {"codec": codec},

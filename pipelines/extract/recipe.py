@@ -48,6 +48,12 @@ class ModelSection(RecipeModel):
         "compiler); false: the worker is ready only once compiled (every unit compiled, as a "
         "benchmark of the steady state wants)",
     )
+    weights_loader: Literal["auto", "transformers"] = Field(
+        "auto",
+        description="auto: a local safetensors checkpoint is read by several threads through pinned "
+        "buffers straight to the device and handed to from_pretrained (checkpoint_reader.py); "
+        "transformers: from_pretrained reads the files. Not part of the lineage (same tensors)",
+    )
 
 
 class TokenizerSection(RecipeModel):

@@ -56,8 +56,14 @@ def load_target(
     device: str | torch.device = "cpu",
     attn_implementation: str | None = "sdpa",
     trust_remote_code: bool = False,
+    weights_loader: str = "auto",
 ) -> torch.nn.Module:
-    """The target as an eval-mode ``AutoModelForCausalLM`` on ``device`` (weights loaded there)."""
+    """The target as an eval-mode ``AutoModelForCausalLM`` on ``device`` (weights loaded there).
+
+    ``weights_loader``: ``auto`` reads a local safetensors checkpoint with checkpoint_reader.py
+    (pinned buffers, several threads) and hands the tensors to ``from_pretrained(state_dict=...)``;
+    ``transformers`` lets ``from_pretrained`` read the files itself. Remote code, quantised
+    checkpoints and anything without ``*.safetensors`` files always take the second way."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -70,11 +76,44 @@ def load_target(
         kwargs["attn_implementation"] = attn_implementation
     if device.type == "cuda":
         kwargs["device_map"] = str(device)  # load straight onto the GPU, no host copy of 16 GB
-    model = AutoModelForCausalLM.from_pretrained(target, **kwargs)
+    model = None
+    if weights_loader == "auto" and not trust_remote_code:
+        model = _load_with_checkpoint_reader(target, device, kwargs)
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(target, **kwargs)
     if device.type != "cuda":
         model = model.to(device)
     model.eval()
     model.requires_grad_(False)
+    return model
+
+
+def _load_with_checkpoint_reader(target: str, device: torch.device, kwargs: dict[str, Any]) -> torch.nn.Module | None:
+    """The model from checkpoint_reader's tensors, or None when the checkpoint is not one it reads."""
+    import contextlib
+
+    from transformers import AutoConfig, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from pipelines.extract.checkpoint_reader import UnsupportedCheckpoint, read_checkpoint
+
+    files = sorted(Path(target).glob("*.safetensors"))
+    config = AutoConfig.from_pretrained(target)
+    if not files or getattr(config, "quantization_config", None) is not None:
+        return None
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if model_class is None:
+        return None
+    try:
+        state_dict = read_checkpoint(files, device)
+    except UnsupportedCheckpoint as err:
+        logger.info("%s; loading through from_pretrained", err)
+        return None
+    # from_pretrained assigns the tensors without a copy (a dtype it must change is converted).
+    model = model_class.from_pretrained(None, config=config, state_dict=state_dict, **kwargs)
+    model.config._name_or_path = target  # what from_pretrained(path) records
+    with contextlib.suppress(OSError):  # no generation_config.json: the config's defaults stay
+        model.generation_config = GenerationConfig.from_pretrained(target)
     return model
 
 
@@ -118,5 +157,6 @@ def load_worker_target(
         device=device,
         attn_implementation=spec.attn_implementation,
         trust_remote_code=spec.trust_remote_code,
+        weights_loader=spec.weights_loader,
     )
     return model, device, device

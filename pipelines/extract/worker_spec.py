@@ -31,6 +31,7 @@ class WorkerSpec:
     # asks.
     compile: bool | str = False
     compile_in_background: bool = True
+    weights_loader: str = "auto"
     token_budget: int = 16384
     max_batch_size: int | None = None
     # The longest sample (batching.max_length): sets the shape of the start-up warm-up batch.
@@ -75,6 +76,7 @@ class WorkerSpec:
             trust_remote_code=recipe.model.trust_remote_code,
             compile=recipe.model.compile,
             compile_in_background=recipe.model.compile_in_background,
+            weights_loader=recipe.model.weights_loader,
             token_budget=recipe.batching.token_budget,
             max_batch_size=recipe.batching.max_batch_size,
             max_length=recipe.batching.max_length,
