@@ -81,6 +81,9 @@ def load_target(
         model = _load_with_checkpoint_reader(target, device, kwargs)
     if model is None:
         model = AutoModelForCausalLM.from_pretrained(target, **kwargs)
+        logger.info("loaded %s through from_pretrained", target)
+    else:
+        logger.info("loaded %s through the checkpoint reader", target)
     if device.type != "cuda":
         model = model.to(device)
     model.eval()
@@ -98,8 +101,10 @@ def _load_with_checkpoint_reader(target: str, device: torch.device, kwargs: dict
     from pipelines.extract.checkpoint_reader import UnsupportedCheckpoint, read_checkpoint
 
     files = sorted(Path(target).glob("*.safetensors"))
+    if not files:
+        return None
     config = AutoConfig.from_pretrained(target)
-    if not files or getattr(config, "quantization_config", None) is not None:
+    if getattr(config, "quantization_config", None) is not None:
         return None
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     if model_class is None:

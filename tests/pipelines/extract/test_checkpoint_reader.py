@@ -121,3 +121,16 @@ def test_the_reader_fills_cuda_tensors_and_loads_as_from_pretrained_does(referen
     _assert_same_model(actual, expected)
     ids = torch.tensor([[1, 17, 230, 5, 9]], device=device)
     assert torch.equal(actual(ids).logits, expected(ids).logits)
+
+
+def test_a_checkpoint_without_safetensors_loads_through_from_pretrained(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model = models.tiny_qwen3(6, head_dim=16)
+    model.save_pretrained(tmp_path)
+    for path in _files(tmp_path):
+        path.unlink()
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    with caplog.at_level("INFO", logger="pipelines.extract.target"):
+        loaded = load_target(str(tmp_path), dtype="float32")
+    assert "through from_pretrained" in caplog.text
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
