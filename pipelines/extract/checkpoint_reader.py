@@ -106,14 +106,18 @@ def read_checkpoint(
             lo = max(bisect.bisect_right(starts, first) - 1, 0)
             hi = bisect.bisect_left(starts, end)
             pieces.append((path, first, end, entries[lo:hi]))
+    if not pieces:
+        return tensors
 
     on_cuda = device.type == "cuda"
     local = threading.local()
+    # No larger than the largest piece: a small checkpoint pins no 32 MiB buffers it cannot fill.
+    buffer_bytes = max(end - first for _, first, end, _ in pieces)
 
     def staging() -> tuple[list[torch.Tensor], list, torch.cuda.Stream | None]:
         # Two buffers per thread: the next piece is read while the last one is still being copied.
         if not hasattr(local, "buffers"):
-            local.buffers = [torch.empty(piece_bytes, dtype=torch.uint8, pin_memory=on_cuda) for _ in range(2)]
+            local.buffers = [torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=on_cuda) for _ in range(2)]
             local.events = [None, None]
             local.stream = torch.cuda.Stream(device) if on_cuda else None
             local.turn = 0
@@ -126,7 +130,7 @@ def read_checkpoint(
         if events[turn] is not None:
             events[turn].synchronize()  # its last copy to the device is done: the buffer is free
         view = buffers[turn][: end - first]
-        _pread_exactly(path, view.numpy(), first)
+        _pread_exactly(descriptors[path], path, view.numpy(), first)
         with torch.cuda.stream(stream) if on_cuda else contextlib.nullcontext():
             for entry in entries:
                 lo, hi = max(entry.start, first), min(entry.end, end)
@@ -138,25 +142,27 @@ def read_checkpoint(
                 events[turn] = torch.cuda.Event()
                 events[turn].record(stream)
 
-    with ThreadPoolExecutor(threads, thread_name_prefix="checkpoint-read") as pool:
-        list(pool.map(read_piece, pieces))
+    # One descriptor per file, shared by the threads: os.preadv reads at an offset of its own and
+    # leaves the file position alone.
+    with contextlib.ExitStack() as stack:
+        descriptors = {}
+        for path in files:
+            descriptors[path] = os.open(path, os.O_RDONLY)
+            stack.callback(os.close, descriptors[path])
+        with ThreadPoolExecutor(threads, thread_name_prefix="checkpoint-read") as pool:
+            list(pool.map(read_piece, pieces))
     if on_cuda:
         torch.cuda.synchronize(device)
     return tensors
 
 
-def _pread_exactly(path: Path, into, offset: int) -> None:
-    # One descriptor per read: os.preadv holds no shared file position, and opening is cheap
-    # next to a 32 MB read.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        memory = memoryview(into).cast("B")
-        done = 0
-        while done < len(memory):
-            got = os.preadv(fd, [memory[done:]], offset + done)
-            if got == 0:
-                raise UnsupportedCheckpoint(f"{path}: ends before byte {offset + len(memory)}")
-            done += got
-    finally:
-        os.close(fd)
+def _pread_exactly(fd: int, path: Path, into, offset: int) -> None:
+    """Fill ``into`` from ``offset`` of the file open as ``fd`` (``path`` names it in the error)."""
+    memory = memoryview(into).cast("B")
+    done = 0
+    while done < len(memory):
+        got = os.preadv(fd, [memory[done:]], offset + done)
+        if got == 0:
+            raise UnsupportedCheckpoint(f"{path}: ends before byte {offset + len(memory)}")
+        done += got
 
