@@ -99,6 +99,7 @@ def format_info(info: dict[str, Any]) -> str:
             f"({writer.get('name_or_path', '?')}, {generated.get('backend')}, temperature "
             f"{sampling.get('temperature')}, max {sampling.get('max_new_tokens')} new tokens) "
             f"in {generated.get('dataset')}"
+            + ("" if generated.get("complete", True) else f" (unfinished: {len(generated['units'])} units)")
         )
     return "\n".join(lines)
 

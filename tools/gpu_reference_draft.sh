@@ -17,7 +17,7 @@ STEPS=${STEPS:-1500}
 SECONDS=0
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+[ -n "${SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   .gpu/whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 W=/tmp/reference-draft
@@ -28,20 +28,30 @@ done
 hs() { python3 -m pipelines.cli "$@"; }
 case "$stage" in
   generate)
-    # The 19M target leaves the H200 idle at batch 128: both rungs share it, with bigger batches.
-    for rung in greedy t1; do
+    # The 19M target leaves the H200 idle at batch 128: the rungs share it, with bigger batches.
+    # RUNGS picks the rungs (default greedy and t1); PARTS > 1 splits the source prompts into that
+    # many processes per rung (the decode loop is launch-bound: processes overlap its Python), each
+    # writing gen-<rung>-<part>; GEN_BATCH sets the batch and the unit size.
+    batch=${GEN_BATCH:-512}
+    parts=${PARTS:-1}
+    split -n "l/$parts" -d -a 2 --additional-suffix=.jsonl "$W/source-prompts.jsonl" "$W/source-prompts.part"
+    for rung in ${RUNGS:-greedy t1}; do
       temp=0.0; [ "$rung" = t1 ] && temp=1.0
-      timeout "${GEN_SECONDS:-390}" python3 -m pipelines.cli generate recipes/reference/generate.yaml \
-        --set "data=[examples/data/draft_train_slice.jsonl,$W/source-prompts.jsonl]" \
-        --set "output=$W/gen-$rung" --set sampling.temperature=$temp \
-        --set batching.max_batch_size=512 --set batching.token_budget=1048576 --set units.max_records=512 \
-        > "$OUT/generate-$rung.log" 2>&1 &
+      for (( part = 0; part < parts; part++ )); do
+        name=gen-$rung; [ "$parts" -gt 1 ] && name=gen-$rung-$part
+        data="$W/source-prompts.part$(printf %02d $part).jsonl"
+        [ "$part" = 0 ] && data="examples/data/draft_train_slice.jsonl,$data"
+        timeout "${GEN_SECONDS:-390}" python3 -m pipelines.cli generate recipes/reference/generate.yaml \
+          --set "data=[$data]" --set "output=$W/$name" --set sampling.temperature=$temp \
+          --set batching.max_batch_size=$batch --set batching.token_budget=$(( batch * 2048 )) \
+          --set units.max_records=$batch > "$OUT/generate-$name.log" 2>&1 &
+      done
     done
     wait
     tail -n 12 "$OUT"/generate-*.log
-    for rung in greedy t1; do tar cJf "$OUT/gen-$rung.tar.xz" -C "$W" "gen-$rung"; done
-    timeout "${BENCH_SECONDS:-170}" python3 -m benchmarks.bench_generate --shape qwen3-8b --device cuda \
-      --out "$OUT/generate-h200.json" 2>&1 | tail -n 30 ;;
+    for out in "$W"/gen-*/; do name=$(basename "$out"); tar cJf "$OUT/$name.tar.xz" -C "$W" "$name"; done
+    [ "${BENCH_SECONDS:-170}" = 0 ] || timeout "${BENCH_SECONDS:-170}" python3 -m benchmarks.bench_generate \
+      --shape qwen3-8b --device cuda --out "$OUT/generate-h200.json" 2>&1 | tail -n 30 ;;
   train)
     # Each rung's data: by default the two generated datasets and the raw records (the bundled
     # slice and the source prompts with their files' own continuations); RAW_DATA, GREEDY_DATA and
@@ -54,30 +64,42 @@ case "$stage" in
       [raw]="${RAW_DATA:-examples/data/draft_train_slice.jsonl,$W/source-raw.jsonl}"
       [greedy]="${GREEDY_DATA:-$W/gen-greedy}" [t1]="${T1_DATA:-$W/gen-t1}"
     )
-    for rung in raw greedy t1; do
+    rungs=${RUNGS:-raw greedy t1}
+    for rung in $rungs; do
       hs extract recipes/reference/extract.yaml --set "data=[${data[$rung]}]" --set "store=$W/store-$rung" \
-        --set executor=local > "$OUT/extract-$rung.log" 2>&1 &
+        --set executor=local --set allow_unfinished_generation=true > "$OUT/extract-$rung.log" 2>&1 &
     done
     wait
     tail -n 6 "$OUT"/extract-*.log
-    # The three share the GPU (the 1-layer draft leaves it mostly idle); a time guard keeps the
-    # call inside its limit, and the export then takes the newest checkpoint all three reached.
-    for rung in raw greedy t1; do
+    df -h "$W" | tail -1
+    # The rungs share the GPU (the 1-layer draft leaves it mostly idle); a time guard keeps the
+    # call inside its limit, and the export then takes the newest step that every rung reached
+    # (equal steps), from checkpoints every 250 steps, all kept.
+    for rung in $rungs; do
       timeout $(( ${TRAIN_DEADLINE:-520} - SECONDS )) python3 -m pipelines.cli train \
         recipes/reference/train-reference-draft.yaml --set "store=$W/store-$rung" \
         --set "output_dir=$W/draft-$rung" --set "max_steps=$STEPS" --set checkpoint_every=250 \
-        > "$OUT/train-$rung.log" 2>&1 &
+        --set keep_checkpoints=1000 > "$OUT/train-$rung.log" 2>&1 &
     done
     wait
-    for rung in raw greedy t1; do
+    common=$STEPS
+    for rung in $rungs; do
       tail -n 3 "$OUT/train-$rung.log"
+      reached=$STEPS
+      [ -d "$W/draft-$rung/checkpoints/final" ] || \
+        reached=$(ls -d "$W/draft-$rung"/checkpoints/step_* | sed 's/.*step_0*//' | sort -n | tail -1)
+      [ "${reached:-0}" -lt "$common" ] && common=$reached
+    done
+    echo "exporting step $common of every rung"
+    for rung in $rungs; do
       checkpoint="$W/draft-$rung/checkpoints/final"
-      [ -d "$checkpoint" ] || checkpoint=$(ls -d "$W/draft-$rung"/checkpoints/step_* | sort -t_ -k2 -n | tail -1)
+      [ "$common" = "$STEPS" ] && [ -d "$checkpoint" ] || \
+        checkpoint=$(ls -d "$W/draft-$rung"/checkpoints/step_* | grep -E "step_0*$common\$")
       hs export "$checkpoint" --format eagle3 --out "$W/export-$rung" --overwrite
       echo "$checkpoint" > "$W/export-$rung/checkpoint.txt"
       cp "$W/draft-$rung/metrics.jsonl" "$W/export-$rung/" 2>/dev/null
       hs info "$W/store-$rung" > "$W/export-$rung/store-info.txt" 2>&1
     done
-    tar czf "$OUT/drafts.tgz" -C "$W" export-raw export-greedy export-t1 ;;
+    (cd "$W" && tar czf "$OUT/drafts.tgz" $(for rung in $rungs; do echo "export-$rung"; done)) ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

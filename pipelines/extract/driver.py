@@ -149,9 +149,9 @@ class ExtractionSetup:
 def prepare(recipe: ExtractRecipe) -> ExtractionSetup:
     """Resolve the data, the target and its tokenizer; the features follow from the target's config."""
     # A folder written by ``hsstore generate`` reads as its committed shards.
-    data_files, generation_lineage = expand_generated_data(recipe.data)
-    if data_files != recipe.data:
-        recipe = recipe.model_copy(update={"data": data_files})
+    files, generation_lineage = expand_generated_data(recipe.data, recipe.allow_unfinished_generation)
+    if files != recipe.data:
+        recipe = recipe.model_copy(update={"data": files})
     target_dir = resolve_target(recipe.target, recipe.model.revision)
     tokenizer_dir = recipe.tokenizer.path or target_dir
     tokenizer = make_sample_tokenizer(recipe, tokenizer_dir)

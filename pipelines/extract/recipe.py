@@ -272,6 +272,11 @@ class ExtractRecipe(RecipeModel):
         "by default s3fs reads the AWS environment (AWS_ENDPOINT_URL, keys, profile)",
     )
     limit: int | None = Field(None, ge=1, description="read at most this many records (smoke runs)")
+    allow_unfinished_generation: bool = Field(
+        False,
+        description="read a folder of hsstore generate whose run stopped early (cut by a time limit) "
+        "as its committed units; the store's lineage marks it unfinished and lists the units",
+    )
     executor: Literal["auto", "local", "ray"] = Field(
         "auto",
         description="ray: actors (local Ray by default); local: same worker code in process; auto: "

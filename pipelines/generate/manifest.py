@@ -115,12 +115,15 @@ def is_generated_dataset(url: str, storage_options: dict[str, Any] | None = None
 
 
 def expand_generated_data(
-    urls: list[str], storage_options: dict[str, Any] | None = None
+    urls: list[str], allow_unfinished: bool = False, storage_options: dict[str, Any] | None = None
 ) -> tuple[list[str], list[dict[str, Any]]]:
     """Data URLs with each generated dataset folder replaced by its committed shard files, in unit
-    order, and the lineage of each such folder (for the extracted store's lineage).
+    order, and the lineage of each such folder (for the extracted store's lineage: whether the
+    generation finished, and which units it holds).
 
-    Raises :class:`GenerationError` for a dataset whose generation has not finished.
+    Raises :class:`GenerationError` for a dataset whose generation has not finished, unless
+    ``allow_unfinished`` (a run cut by its time limit: its committed units are whole and verified
+    answers, only fewer of them).
     """
     files: list[str] = []
     lineages: list[dict[str, Any]] = []
@@ -131,14 +134,21 @@ def expand_generated_data(
         location = StoreLocation(url, storage_options)
         manifest = read_manifest(location)
         assert manifest is not None  # is_generated_dataset saw the file
-        if not manifest.complete:
+        if not manifest.complete and not allow_unfinished:
             raise GenerationError(
                 f"{location.path(MANIFEST_NAME)}: the generation is not finished "
-                f"({len(manifest.shards)} units committed); rerun hsstore generate with its recipe"
+                f"({len(manifest.shards)} units committed); rerun hsstore generate with its recipe, "
+                "or set allow_unfinished_generation: true to extract the committed units alone"
             )
+        shards = sorted(manifest.shards, key=lambda s: s.unit_index)
         base = url.rstrip("/")
-        files.extend(
-            posixpath.join(base, shard.path) for shard in sorted(manifest.shards, key=lambda s: s.unit_index)
+        files.extend(posixpath.join(base, shard.path) for shard in shards)
+        lineages.append(
+            {
+                "dataset": url,
+                **manifest.lineage.model_dump(mode="json"),
+                "complete": manifest.complete,
+                "units": [shard.unit_index for shard in shards],
+            }
         )
-        lineages.append({"dataset": url, **manifest.lineage.model_dump(mode="json")})
     return files, lineages

@@ -210,7 +210,11 @@ def test_extract_reads_the_generated_dataset_and_records_who_wrote_it(greedy_run
 
     manifest = read_store_manifest(StoreLocation(extract.store))
     assert manifest is not None
-    assert "answers    by this target (" in format_info(store_info(manifest, extract.store))
+    text = format_info(store_info(manifest, extract.store))
+    assert "answers    by this target (" in text and "unfinished" not in text
+    # A store built from a generation cut short (allow_unfinished_generation) says so.
+    manifest.lineage.generation[0].update(complete=False, units=[0, 1])
+    assert "(unfinished: 2 units)" in format_info(store_info(manifest, extract.store))
 
 
 def test_a_sigkilled_run_resumes_exactly(dataset: Any, tmp_path: Path, greedy_run: Any) -> None:
@@ -248,6 +252,10 @@ def test_a_sigkilled_run_resumes_exactly(dataset: Any, tmp_path: Path, greedy_ru
     assert killed is not None and not killed.complete and len(killed.shards) < 8
     with pytest.raises(GenerationError, match="generation is not finished"):
         expand_generated_data([recipe.output])  # extraction refuses a partial dataset
+    # ... unless told to: the committed units alone, and a lineage that says so
+    files, lineage = expand_generated_data([recipe.output], allow_unfinished=True)
+    assert [Path(f).name for f in files] == sorted(s.path.split("/")[-1] for s in killed.shards)
+    assert lineage[0]["complete"] is False and lineage[0]["units"] == sorted(s.unit_index for s in killed.shards)
     summary = run_generation(recipe)
     assert summary.num_units_skipped == len(killed.shards)
     assert summary.num_units_written == 8 - len(killed.shards)
