@@ -3,17 +3,20 @@
 # 10-minute device call. Carry [".gpu/whl", ".gpu-data"]: hsstore's small wheels
 # (../shared/gpu/make-bundle.sh; Ray is not needed: every job runs in process) and the prompt sets,
 # built here (the GPU machine has another Python, hence other sources) and xz-packed:
-#   python3 -m pipelines.generate.source_prompts --out runs/source-prompts.jsonl --max-files 4000
-#   python3 -m pipelines.generate.source_prompts --out runs/source-raw.jsonl --max-files 4000 --human-answers 2000
+#   python3 -m pipelines.generate.source_prompts --out runs/source-prompts.jsonl    (then head -n 14000:
+#     the builder's last prompts are the ceiling's probe; 14,000 xz-packed fit the 64 MiB carry)
+#   python3 -m pipelines.generate.source_prompts --out runs/source-raw.jsonl --human-answers 2000
+#     (then only the records whose ids the generation answered: the same prompts on every rung)
 #   mkdir -p .gpu-data && xz -9 -c runs/source-prompts.jsonl > .gpu-data/source-prompts.jsonl.xz (and source-raw)
-#   bash tools/gpu_reference_draft.sh generate   # greedy and T=1 answers side by side, then generate-h200.json
-#   (bring the two generated datasets back into .gpu-data/, then)
-#   bash tools/gpu_reference_draft.sh train      # extract the three rungs, train each at equal steps, export
+#   RUNGS=greedy PARTS=2 GEN_BATCH=1024 BENCH_SECONDS=0 bash tools/gpu_reference_draft.sh generate
+#   (bring the generated datasets back into .gpu-data/ as gen-*.tar.xz, then)
+#   STEPS=3000 RUNGS="raw greedy" GREEDY_DATA=/tmp/reference-draft/gen-greedy-0,/tmp/reference-draft/gen-greedy-1 bash tools/gpu_reference_draft.sh train
+#     (extract the rungs, train each at equal steps, export the newest step all reached)
 # The acceptance lengths are then measured on the CPU (python3 -m benchmarks.bench_evaluate reference-draft).
 set -uo pipefail
 stage=${1:?stage}
 OUT=${OUT:-/tmp/reference-draft-out}
-STEPS=${STEPS:-1500}
+STEPS=${STEPS:-3000}
 SECONDS=0
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
@@ -55,7 +58,8 @@ case "$stage" in
   train)
     # Each rung's data: by default the two generated datasets and the raw records (the bundled
     # slice and the source prompts with their files' own continuations); RAW_DATA, GREEDY_DATA and
-    # T1_DATA (comma-separated) replace them, e.g. with a subset every rung shares.
+    # T1_DATA (comma-separated) replace them, e.g. with a subset every rung shares; the mixed rung
+    # reads the raw and the greedy data together.
     for pack in .gpu-data/*.tar.xz; do [ -f "$pack" ] && tar xJf "$pack" -C "$W"; done
     for packed in .gpu-data/*.jsonl.xz; do
       [ -f "$packed" ] && xz -dc "$packed" > "$W/$(basename "$packed" .xz)"
@@ -64,6 +68,7 @@ case "$stage" in
       [raw]="${RAW_DATA:-examples/data/draft_train_slice.jsonl,$W/source-raw.jsonl}"
       [greedy]="${GREEDY_DATA:-$W/gen-greedy}" [t1]="${T1_DATA:-$W/gen-t1}"
     )
+    data[mixed]="${data[raw]},${data[greedy]}"  # every prompt twice: its file's text and the target's answer
     rungs=${RUNGS:-raw greedy t1}
     for rung in $rungs; do
       hs extract recipes/reference/extract.yaml --set "data=[${data[$rung]}]" --set "store=$W/store-$rung" \
