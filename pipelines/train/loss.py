@@ -23,6 +23,13 @@ import torch
 
 # Elements of one [chunk, vocabulary] float32 block (2**25 = 128 MiB): a few such blocks are live.
 DEFAULT_CHUNK_ELEMENTS = 1 << 25
+# Traced into a larger compiled graph (compile: step / graph), the positions go in one chunk up to
+# this many elements (2**28: the 8B shape's 8,192 x 32,000 at one depth). Inductor lowers the
+# chunks' writes into slices of ``grad_logits`` as one kernel that evaluates every chunk's
+# branch at every element (a where-chain, seen in its output code: benchmarks/LOG.md), so chunking
+# inside a graph multiplies the softmax pass's work by the number of chunks; in one chunk
+# inductor fuses the row-wise passes over [N, V] itself, without float32 copies of the whole.
+TRACED_CHUNK_ELEMENTS = 1 << 28
 
 
 class TeacherRows(Protocol):
@@ -162,7 +169,8 @@ def linear_soft_cross_entropy(
     but add nothing, which keeps every shape static when ``x`` holds every position."""
     compute_dtype = compute_dtype_for(x_NH)
     if chunk is None:
-        chunk = max(64, DEFAULT_CHUNK_ELEMENTS // max(1, weight_VH.shape[0]))
+        elements = TRACED_CHUNK_ELEMENTS if torch.compiler.is_compiling() else DEFAULT_CHUNK_ELEMENTS
+        chunk = max(64, elements // max(1, weight_VH.shape[0]))
     return _LinearSoftCrossEntropy.apply(
         x_NH, weight_VH, teacher, teacher_rows_N, compute_dtype, chunk, compiled, keep_N
     )

@@ -42,6 +42,54 @@ def test_values_and_gradients_equal_the_plain_formula(chunk):
     torch.testing.assert_close(gw, w.grad, rtol=1e-10, atol=1e-12)
 
 
+def _matmuls(graph_module: torch.fx.GraphModule) -> int:
+    """Matmul calls in a dynamo graph, the autograd.Function's forward and backward bodies included."""
+    import operator
+
+    return sum(
+        node.target in (torch.matmul, operator.matmul, torch.mm)
+        for module in graph_module.modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes
+    )
+
+
+def test_a_traced_loss_takes_the_positions_in_one_chunk(monkeypatch):
+    """Inside a compiled step the chunk loop would lower to one where-chain kernel over every
+    chunk (loss.TRACED_CHUNK_ELEMENTS): traced, the loss is one chunk, and equals the chunked eager."""
+    import pipelines.train.loss as loss_module
+
+    gen = torch.Generator().manual_seed(0)
+    N, H, V = 256, 12, 33
+    monkeypatch.setattr(loss_module, "DEFAULT_CHUNK_ELEMENTS", 64 * V)  # eager: 4 chunks of 64
+    x = torch.randn(N, H, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(V, H, generator=gen, dtype=torch.float64, requires_grad=True)
+    teacher = DenseTeacherRows(torch.softmax(torch.randn(1, N, V, generator=gen, dtype=torch.float64), -1))
+    rows = torch.arange(N)
+
+    def loss(x, w):
+        return linear_soft_cross_entropy(x, w, teacher, rows, compiled=False)[0]
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def capture(graph_module, _inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    traced = torch.compile(loss, backend=capture, fullgraph=True)(x, w)
+    # one chunk's logits, then grad_x and grad_w (4 chunks would trace 4 + 2)
+    assert len(graphs) == 1 and _matmuls(graphs[0]) == 3
+    traced.backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    eager = loss(x, w)
+    eager.backward()
+    torch.testing.assert_close(traced, eager, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gx, x.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(gw, w.grad, rtol=1e-10, atol=1e-12)
+
+
 def test_no_scored_positions_gives_zero_loss_and_gradients():
     x = torch.randn(0, 4, requires_grad=True)
     w = torch.randn(6, 4, requires_grad=True)
