@@ -44,7 +44,8 @@ case "$stage" in
         name=gen-$rung; [ "$parts" -gt 1 ] && name=gen-$rung-$part
         data="$W/source-prompts.part$(printf %02d $part).jsonl"
         [ "$part" = 0 ] && data="examples/data/draft_train_slice.jsonl,$data"
-        timeout "${GEN_SECONDS:-390}" python3 -m pipelines.cli generate recipes/reference/generate.yaml \
+        # SIGTERM at GEN_SECONDS: the units in flight commit (up to GEN_GRACE more seconds), then it stops
+        timeout -k "${GEN_GRACE:-90}" "${GEN_SECONDS:-390}" python3 -m pipelines.cli generate recipes/reference/generate.yaml \
           --set "data=[$data]" --set "output=$W/$name" --set sampling.temperature=$temp \
           --set batching.max_batch_size=$batch --set batching.token_budget=$(( batch * 2048 )) \
           --set units.max_records=$batch > "$OUT/generate-$name.log" 2>&1 &

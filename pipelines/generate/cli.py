@@ -39,4 +39,5 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(summary.to_json(), indent=2))
     else:
         print(summary.format())
-    return 0
+    # Stopped by SIGTERM/SIGINT: the shell's convention, 128 + the signal (143, 130).
+    return 0 if summary.stopped_by_signal is None else 128 + summary.stopped_by_signal

@@ -9,7 +9,9 @@ Order of a run (each step a function of the recipe and the data, so reruns agree
    the manifest lists are skipped;
 3. the executor (extraction's: in process, or Ray actors) runs the rest; as each unit comes back
    its shard is written and the manifest rewritten listing it (the commit point), so a SIGKILL
-   loses only the units in flight;
+   loses only the units in flight; a SIGTERM or SIGINT (a scheduler's time limit, Ctrl-C) hands
+   out no further unit, lets the units in flight finish and commit, and returns (a second signal
+   stops at once);
 4. the manifest is marked complete once every unit is committed.
 """
 
@@ -37,6 +39,7 @@ from pipelines.generate.recipe import GenerateRecipe
 from pipelines.generate.sink import write_unit
 from pipelines.generate.summary import GenerationSummary
 from pipelines.generate.worker import GenerationSpec, GenerationUnit, GenerationWorker, UnitOutput
+from pipelines.stop_request import StopRequest
 from pipelines.target_identity import (
     chat_template_sha256,
     read_config,
@@ -97,8 +100,9 @@ def run_generation(
         manifest = _run_units(
             recipe, spec, itertools.chain([first], pending), location, manifest, summary, progress, on_commit
         )
-    manifest = manifest.model_copy(update={"complete": True, "num_units": num_units})
-    write_manifest(location, manifest)
+    if summary.stopped_by_signal is None:
+        manifest = manifest.model_copy(update={"complete": True, "num_units": num_units})
+        write_manifest(location, manifest)
     summary.fill(manifest)
     summary.wall_seconds = time.perf_counter() - wall_start
     return summary
@@ -255,13 +259,22 @@ def _run_units(
         if on_commit is not None:
             on_commit(output)
 
+    def until_stopped(units: Iterator[GenerationUnit], stop: StopRequest) -> Iterator[GenerationUnit]:
+        for unit in units:
+            if stop.requested:
+                return
+            yield unit
+
     start = time.perf_counter()
-    try:
-        executor.run(todo, on_result, on_batch)
-    finally:
-        summary.generate_seconds = time.perf_counter() - start
-        bar.close()
-        executor.close()
+    # After the executor has started: Ray's start installs handlers of its own.
+    with StopRequest("committing the units in flight, then stopping (rerun to resume)") as stop:
+        try:
+            executor.run(until_stopped(todo, stop), on_result, on_batch)
+        finally:
+            summary.generate_seconds = time.perf_counter() - start
+            bar.close()
+            executor.close()
+    summary.stopped_by_signal = stop.signum
     return state["manifest"]
 
 

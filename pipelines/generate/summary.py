@@ -28,6 +28,7 @@ class GenerationSummary:
     new_tokens_this_run: int = 0
     generate_seconds: float = 0.0
     wall_seconds: float = 0.0
+    stopped_by_signal: int | None = None  # SIGTERM/SIGINT: the units in flight committed, no others
 
     def fill(self, manifest: GenerationManifest) -> None:
         shards = manifest.shards
@@ -63,4 +64,12 @@ class GenerationSummary:
                 f"  this run   {self.new_tokens_this_run} tokens in {self.generate_seconds:.1f} s "
                 f"({self.tokens_per_second:.1f} tokens/s); wall {self.wall_seconds:.1f} s",
             ]
+            + (
+                [
+                    f"  stopped    by signal {self.stopped_by_signal} after committing the units in "
+                    "flight; not complete: rerun the same command to resume"
+                ]
+                if self.stopped_by_signal is not None
+                else []
+            )
         )

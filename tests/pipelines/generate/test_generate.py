@@ -265,6 +265,45 @@ def test_a_sigkilled_run_resumes_exactly(dataset: Any, tmp_path: Path, greedy_ru
     assert not list((tmp_path / "out").rglob("*.tmp"))
 
 
+def test_a_sigterm_commits_the_units_in_flight_and_stops(dataset: Any, tmp_path: Path) -> None:
+    """SIGTERM (a scheduler's time limit, or ``timeout``) hands out no further unit: the units in
+    flight commit, the run exits 143 saying it is not complete, and a rerun finishes it."""
+    import yaml
+
+    recipe = make_recipe(dataset[1], tmp_path / "out", "units.max_records=1", "sampling.max_new_tokens=40")
+    recipe_path = tmp_path / "recipe.yaml"
+    recipe_path.write_text(yaml.safe_dump(recipe.model_dump(mode="json")))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pipelines.cli", "generate", str(recipe_path), "--no-progress"],
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    location = StoreLocation(recipe.output)
+    deadline = time.monotonic() + 120
+    committed = 0
+    while time.monotonic() < deadline and process.poll() is None and committed < 1:
+        manifest = read_manifest(location) if location.exists("generation.json") else None
+        committed = len(manifest.shards) if manifest else 0
+        time.sleep(0.05)
+    assert process.poll() is None and committed >= 1
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "stopped    by signal 15" in out and "rerun the same command" in out
+    stopped = read_manifest(location)
+    assert stopped is not None and not stopped.complete
+    # the units in flight (at most two: one computing, one writing) committed; no unit started after
+    assert committed <= len(stopped.shards) <= committed + 2 < 8
+    assert [s.unit_index for s in stopped.shards] == list(range(len(stopped.shards)))
+    assert not list((tmp_path / "out").rglob("*.tmp"))
+    summary = run_generation(recipe)
+    assert summary.num_units_skipped == len(stopped.shards) and summary.stopped_by_signal is None
+    assert read_manifest(location).complete  # type: ignore[union-attr]
+
+
 def test_ray_actors_write_what_the_local_run_writes(ray_session: Any, dataset: Any, greedy_run: Any, tmp_path: Path) -> None:
     recipe, _ = greedy_run
     on_ray = make_recipe(dataset[1], tmp_path / "ray", "executor=ray", "ray.num_workers=2", "ray.num_cpus_per_worker=1")
