@@ -218,6 +218,22 @@ class StoreLocation:
         """Publish ``data`` at ``key`` in one step: readers see the old file or the new, whole."""
         raise NotImplementedError
 
+    def remove_dead_atomic_writes(self, folder: str = "", name: str | None = None) -> list[str]:
+        """Remove the temp files that :meth:`write_bytes_atomic` leaves when its process is killed
+        before the rename (``.<name>.<hex>.tmp``; a single PUT to an object store leaves none) in
+        ``folder``, or only those of ``name``. Call it only while no atomic write there is in
+        flight (a job's own folder once it has finished). Returns the keys removed."""
+        if folder and not self.exists(folder):
+            return []
+        stem = f".{name}." if name else "."
+        removed = []
+        for entry in self.list_dir(folder):
+            if entry.startswith(stem) and entry.endswith(".tmp"):
+                key = f"{folder}/{entry}" if folder else entry
+                self.delete(key)
+                removed.append(key)
+        return removed
+
     def read_bytes_versioned(self, key: str) -> tuple[bytes, str | None]:
         """The file's bytes and a version token for :meth:`write_bytes_if` (None where this
         backend serialises committers with :meth:`commit_lock` instead). FileNotFoundError when absent."""

@@ -385,16 +385,7 @@ def remove_dead_temp_files(location: StoreLocation) -> list[str]:
     this extraction is in flight; returns what was removed."""
     from hsstore.manifest import MANIFEST_NAME
 
-    removed = []
-    for folder in ("", "rejects", UNIT_REJECTS_DIR):
-        if folder and not location.exists(folder):
-            continue
-        for name in location.list_dir(folder):
-            is_temp = name.endswith(".tmp") and name.startswith(
-                f".{MANIFEST_NAME}." if not folder else "."
-            )
-            if is_temp:
-                relative = f"{folder}/{name}" if folder else name
-                location.delete(relative)
-                removed.append(relative)
+    removed = location.remove_dead_atomic_writes("", MANIFEST_NAME)
+    for folder in ("rejects", UNIT_REJECTS_DIR):
+        removed += location.remove_dead_atomic_writes(folder)
     return removed

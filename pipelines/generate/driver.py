@@ -29,6 +29,7 @@ from pipelines.extract.planner import data_fingerprint
 from pipelines.extract.records import iter_records
 from pipelines.extract.target import resolve_target
 from pipelines.generate.manifest import (
+    MANIFEST_NAME,
     GenerationError,
     GenerationLineage,
     GenerationManifest,
@@ -103,6 +104,9 @@ def run_generation(
     if summary.stopped_by_signal is None:
         manifest = manifest.model_copy(update={"complete": True, "num_units": num_units})
         write_manifest(location, manifest)
+        # What a killed earlier run was writing when it died (the units were written again since).
+        for folder, name in (("", MANIFEST_NAME), ("shards", None), ("rejects", None)):
+            location.remove_dead_atomic_writes(folder, name)
     summary.fill(manifest)
     summary.wall_seconds = time.perf_counter() - wall_start
     return summary

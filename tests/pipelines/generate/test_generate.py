@@ -299,8 +299,15 @@ def test_a_sigterm_commits_the_units_in_flight_and_stops(dataset: Any, tmp_path:
     assert committed <= len(stopped.shards) <= committed + 2 < 8
     assert [s.unit_index for s in stopped.shards] == list(range(len(stopped.shards)))
     assert not list((tmp_path / "out").rglob("*.tmp"))
+    # What a SIGKILL mid-write leaves (tests a race the SIGKILL test above meets only by chance):
+    # the run that completes the dataset removes it, and nothing else.
+    dead = ["shards/.u000001.jsonl.0a1b.tmp", "rejects/.u000003.jsonl.0a1b.tmp", ".generation.json.0a1b.tmp"]
+    for key in [*dead, "rejects/notes.tmp"]:
+        (tmp_path / "out" / key).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "out" / key).write_text("partial")
     summary = run_generation(recipe)
     assert summary.num_units_skipped == len(stopped.shards) and summary.stopped_by_signal is None
+    assert [p.name for p in (tmp_path / "out").rglob("*.tmp")] == ["notes.tmp"]
     assert read_manifest(location).complete  # type: ignore[union-attr]
 
 
