@@ -70,11 +70,6 @@ def hsstore_command(args: list[str], log: Path) -> list[str]:
     return ["hsstore", *args]
 
 
-def source_path(record_id: Any) -> str:
-    """The source file a prompt record came from: ``prompts/<path>#<window>`` -> ``<path>``."""
-    return str(record_id).split("/", 1)[1].rsplit("#", 1)[0]
-
-
 def build_probe(args: argparse.Namespace) -> dict[str, Any]:
     """The probe prompts (``probe.jsonl``) and their description."""
     from pipelines.generate import source_prompts as sp
@@ -86,13 +81,13 @@ def build_probe(args: argparse.Namespace) -> dict[str, Any]:
     for path in args.exclude_sources:
         for line in path.read_text(encoding="utf-8").splitlines():
             if line.strip():
-                trained_paths.add(source_path(json.loads(line)["id"]))
+                trained_paths.add(sp.source_path(json.loads(line)["id"]))
     # A file gives at most one record (one window), in the files' order: record i comes from a
     # file at position >= i, so every record past skip_files is past the first skip_files files.
     chosen: list[tuple[int, dict[str, Any]]] = []
     for index in range(len(records) - 1, args.skip_files - 1, -1):
         record = records[index]
-        if "messages" in record and source_path(record["id"]) not in trained_paths:
+        if "messages" in record and sp.source_path(record["id"]) not in trained_paths:
             chosen.append((index, record))
         if len(chosen) == args.num_prompts:
             break

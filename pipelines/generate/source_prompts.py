@@ -112,6 +112,17 @@ def code_shingles(text: str) -> set[str]:
     }
 
 
+def prompt_id(relative: str, window: int) -> str:
+    """A built record's id: ``prompts/<path>#<window>`` (:func:`source_path` reads the path back)."""
+    return f"prompts/{relative}#{window}"
+
+
+def source_path(record_id: object) -> str:
+    """The source file a record id names: ``prompts/<path>#<window>`` (and the bundled data's
+    ``draft/<path>``) -> ``<path>``."""
+    return str(record_id).split("/", 1)[1].rsplit("#", 1)[0]
+
+
 def eval_fingerprints(files: Iterable[Path]) -> tuple[set[str], set[str]]:
     """Shingles of every evaluation prompt's code, and the source paths its ids name."""
     shingles: set[str] = set()
@@ -182,13 +193,13 @@ def make_records(relative: str, text: str, options: BuildOptions) -> list[dict[s
             if options.human_answer_chars is not None:
                 end = _line_cut(text, min(len(text) - 1, cut + options.human_answer_chars - 1))
                 messages.append({"role": "assistant", "content": text[cut:end]})
-            records.append({"id": f"prompts/{relative}#{window}", "messages": messages})
+            records.append({"id": prompt_id(relative, window), "messages": messages})
         else:
             start = 0 if window == 0 else _line_cut(text, _stable(relative, salt) % max(1, len(text) // 2))
             piece = text[start : start + options.max_text_chars]
             if len(piece.strip()) < options.min_chars // 2:
                 continue
-            records.append({"id": f"prompts/{relative}#{window}", "text": piece})
+            records.append({"id": prompt_id(relative, window), "text": piece})
     return records
 
 

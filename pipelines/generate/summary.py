@@ -52,24 +52,20 @@ class GenerationSummary:
 
     def format(self) -> str:
         rejected = ", ".join(f"{k} {v}" for k, v in self.rejected.items()) or "none"
-        return "\n".join(
-            [
-                f"generated dataset {self.output}",
-                f"  records    {self.num_records} read, {self.num_written} written, "
-                f"{self.num_truncated} with an answer cut short",
-                f"  rejected   {rejected}",
-                f"  answers    {self.num_answers} ({self.num_new_tokens} new tokens)",
-                f"  units      {self.num_units} ({self.num_units_skipped} already committed, "
-                f"{self.num_units_written} written now by {self.num_workers} worker(s))",
-                f"  this run   {self.new_tokens_this_run} tokens in {self.generate_seconds:.1f} s "
-                f"({self.tokens_per_second:.1f} tokens/s); wall {self.wall_seconds:.1f} s",
-            ]
-            + (
-                [
-                    f"  stopped    by signal {self.stopped_by_signal} after committing the units in "
-                    "flight; not complete: rerun the same command to resume"
-                ]
-                if self.stopped_by_signal is not None
-                else []
+        lines = [
+            f"generated dataset {self.output}",
+            f"  records    {self.num_records} read, {self.num_written} written, "
+            f"{self.num_truncated} with an answer cut short",
+            f"  rejected   {rejected}",
+            f"  answers    {self.num_answers} ({self.num_new_tokens} new tokens)",
+            f"  units      {self.num_units} ({self.num_units_skipped} already committed, "
+            f"{self.num_units_written} written now by {self.num_workers} worker(s))",
+            f"  this run   {self.new_tokens_this_run} tokens in {self.generate_seconds:.1f} s "
+            f"({self.tokens_per_second:.1f} tokens/s); wall {self.wall_seconds:.1f} s",
+        ]
+        if self.stopped_by_signal is not None:
+            lines.append(
+                f"  stopped    by signal {self.stopped_by_signal} after committing the units in "
+                "flight; not complete: rerun the same command to resume"
             )
-        )
+        return "\n".join(lines)
