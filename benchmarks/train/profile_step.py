@@ -180,11 +180,22 @@ def run_variant(args: argparse.Namespace, variant: StepVariant, device: torch.de
     # make a compiled step trace and compile again.
     scored_fraction = float(scored.double().mean()) / (args.rows * args.tokens)
     step_s = sorted(times)[len(times) // 2]
+    # The same number of steps back to back, one sync at the end, as the trainer runs (it waits
+    # for the GPU at log steps only): the host prepares a step while the GPU runs the one before,
+    # unless something in the step waits for the GPU.
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        loss, _ = step()
+    _sync(device)
+    back_to_back_s = (time.perf_counter() - t0) / args.steps
+    losses.append(float(loss))
     tokens = args.rows * args.tokens
     flops = step_flops_per_token(cfg, args.ttt_length, scored_fraction) * tokens
     result = {
         "variant": str(variant), "attention": variant.attention, "compile": str(variant.compile), "fp8": variant.fp8,
         "tokens_per_step": tokens, "step_ms_median": round(1000 * step_s, 1), "tokens_per_s": round(tokens / step_s),
+        "back_to_back_step_ms": round(1000 * back_to_back_s, 1),
+        "back_to_back_tokens_per_s": round(tokens / back_to_back_s),
         # The first warm-up step traces and compiles (graph: the next ones record the CUDA graphs).
         "compile_s": round(warmup_s[0], 1) if warmup_s else None,
         "model_tflops": round(flops / step_s / 1e12, 1),
@@ -212,14 +223,15 @@ def run_variant(args: argparse.Namespace, variant: StepVariant, device: torch.de
                 step()
             torch.cuda.synchronize(device)
         profile_dir.mkdir(parents=True, exist_ok=True)
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
-        (profile_dir / f"profile-{variant}.txt").write_text(table)
+        file_name = str(variant).replace("+", "-")  # the device tool returns no file with '+' in its name
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=80, max_name_column_width=90)
+        (profile_dir / f"profile-{file_name}.txt").write_text(table)
         print(table[:6000])
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
                 step()
             torch.cuda.synchronize(device)
-        trace = profile_dir / f"trace-{variant}.json"
+        trace = profile_dir / f"trace-{file_name}.json"
         prof.export_chrome_trace(str(trace))
         result["gpu_idle"] = gpu_idle(json.loads(trace.read_text())["traceEvents"], steps=3)
         trace.unlink()  # hundreds of MB; the summary is what is kept

@@ -312,8 +312,12 @@ class FlexTTTAttention(_KeysByDepth):
             return count[:, None], order[:, None]
 
         runs, positions = self.runs, self.positions
-        depth_t = torch.tensor(depth, dtype=torch.int32, device=device)
-        shift_t = torch.tensor(shift, dtype=torch.int32, device=device)
+        # Tensors, not ints, so that one compiled kernel serves every depth; filled on the device
+        # because ``torch.tensor(x, device="cuda")`` copies from pageable memory and waits for the
+        # stream: two host syncs per depth, 14 a TTT-7 step, each leaving the GPU idle while the
+        # host launches what follows (benchmarks/LOG.md, "the step's host syncs").
+        depth_t = torch.full((), depth, dtype=torch.int32, device=device)
+        shift_t = torch.full((), shift, dtype=torch.int32, device=device)
 
         def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
             region = kv_idx // Tp

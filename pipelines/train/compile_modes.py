@@ -43,24 +43,42 @@ class CompileMode(StrEnum):
         return self in (CompileMode.STEP, CompileMode.GRAPH)
 
 
-# What ``compile: auto`` picks on CUDA. At the 8B shape, every position scored (H200, 2026-12-03):
-# graph 25,606 tokens/s, step 25,605, layers 25,028; graph compiles in ~126 s, layers in ~17 s.
-# 2% does not pay for the compile on short runs, so layers stays (benchmarks/RESULTS.md).
-CUDA_DEFAULT = CompileMode.LAYERS
+# What ``compile: auto`` picks on CUDA. At the 8B shape, every position scored (H200, 2026-12-03,
+# after the loss was traced in one chunk and the block masks stopped waiting for the GPU): graph
+# 27,551-27,951 tokens/s (28,660-28,891 back to back, as the trainer runs), layers 25,080; graph
+# compiles in ~50-60 s, layers in ~16 s, so graph's 10% repays its compile within ~7 minutes of
+# training, and it peaks at 22 GiB against layers' 26-31 (benchmarks/RESULTS.md). Where graph is
+# refused (several processes, accumulation) auto picks step, the same graph without replay.
+CUDA_DEFAULT = CompileMode.GRAPH
+# Below this share of loss-masked tokens in the store, ``auto`` picks ``layers`` over a whole-step
+# mode: ``step``/``graph`` compute the heads' logits at every position (static shapes), ``layers``
+# only at scored ones. At the 8B shape layers' step is ~323 ms all scored and ~256 ms at 22% scored
+# (~85 ms per unit of unscored share) while graph's stays at ~286-290 ms back to back: they cross
+# near 60% (benchmarks/RESULTS.md). Chat stores whose answers are most of the tokens are above it;
+# stores of short answers to long prompts (``hsstore generate`` of "continue this file": ~23%)
+# are below.
+GRAPH_MIN_SCORED_FRACTION = 0.6
 
 
 def resolve_compile_mode(
-    choice: str | bool, device: torch.device, world_size: int = 1, grad_accum_steps: int = 1
+    choice: str | bool,
+    device: torch.device,
+    world_size: int = 1,
+    grad_accum_steps: int = 1,
+    scored_fraction: float | None = None,
 ) -> CompileMode:
     """The recipe's ``compile`` value as a mode: ``auto`` is :data:`CUDA_DEFAULT` on CUDA (``step``
-    where that is ``graph`` and the run has several processes or accumulates gradients) and ``off``
-    elsewhere (the CPU CI has no compiler toolchain to rely on); ``on`` (and ``True``) is
-    ``layers``, what ``on`` meant before the other modes existed."""
+    where that is ``graph`` and the run has several processes or accumulates gradients; ``layers``
+    where the store's ``scored_fraction`` of loss-masked tokens is below
+    :data:`GRAPH_MIN_SCORED_FRACTION`) and ``off`` elsewhere (the CPU CI has no compiler toolchain
+    to rely on); ``on`` (and ``True``) is ``layers``, what ``on`` meant before the other modes existed."""
     if isinstance(choice, bool):
         return CompileMode.LAYERS if choice else CompileMode.OFF
     if choice == "auto":
         if device.type != "cuda":
             return CompileMode.OFF
+        if CUDA_DEFAULT.whole_step and scored_fraction is not None and scored_fraction < GRAPH_MIN_SCORED_FRACTION:
+            return CompileMode.LAYERS
         if CUDA_DEFAULT == CompileMode.GRAPH and (world_size > 1 or grad_accum_steps > 1):
             return CompileMode.STEP
         return CUDA_DEFAULT

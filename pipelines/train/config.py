@@ -204,8 +204,9 @@ class TrainRecipe(RecipeModel):
             "how much of the step torch.compile sees (pipelines.train.compile_modes): layers = the "
             "draft's norms/MLP, flex attention and the loss kernel alone (on: the same); step = the "
             "whole objective forward as one graph, every position scored densely; graph = step "
-            "replayed as CUDA graphs (CUDA, one process, no accumulation); auto = layers on CUDA, "
-            "off elsewhere"
+            "replayed as CUDA graphs (CUDA, one process, no accumulation); auto = graph on CUDA (step "
+            "with several processes or accumulation) when >= 60% of the store's tokens are scored, else "
+            "layers; off elsewhere"
         ),
     )
     fp8: bool = Field(

@@ -197,7 +197,8 @@ def loss_denominators(
         raise ValueError(f"loss_normalization must be 'scored' or 'tokens', not {normalization!r}")
     from pipelines.train.distributed import all_reduce_
 
-    real = torch.tensor([float(num_real_tokens)], dtype=torch.float64, device=global_counts.device)
+    # Filled on the device: torch.tensor(..., device="cuda") would wait for the stream every step.
+    real = torch.full((1,), float(num_real_tokens), dtype=torch.float64, device=global_counts.device)
     return all_reduce_(real, dist_state).expand_as(global_counts)
 
 

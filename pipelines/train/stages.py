@@ -20,6 +20,8 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import ClassVar
 
+import pyarrow as pa
+import pyarrow.compute  # noqa: F401 (pa.compute)
 import torch
 from torch import nn
 
@@ -216,10 +218,27 @@ def training_aux_layer_ids(recipe: TrainRecipe, store: hsstore.Store) -> list[in
     return [captured[i] for i in select_aux_layers(captured, recipe.aux_layer_ids)]
 
 
-def compile_mode_for(recipe: TrainRecipe, device: torch.device) -> CompileMode:
+def compile_mode_for(recipe: TrainRecipe, device: torch.device, scored_fraction: float | None = None) -> CompileMode:
     """The recipe's ``compile`` resolved for this run (``auto`` depends on the device, the number
-    of processes and gradient accumulation: ``pipelines.train.compile_modes``)."""
+    of processes, gradient accumulation and the store's ``scored_fraction``:
+    ``pipelines.train.compile_modes``)."""
     import torch.distributed as dist
 
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    return resolve_compile_mode(recipe.compile, device, world_size, recipe.grad_accum_steps)
+    return resolve_compile_mode(recipe.compile, device, world_size, recipe.grad_accum_steps, scored_fraction)
+
+
+def scored_token_fraction(store: hsstore.Store, max_shards: int = 8) -> float | None:
+    """The share of the store's tokens its loss mask scores, from up to ``max_shards`` shards
+    spread over the manifest (each a small Arrow table: a large remote store is not read whole
+    for this). None for an empty store."""
+    shards = store.shards
+    if not shards:
+        return None
+    step = max(1, len(shards) // max_shards)
+    tokens = scored = 0
+    for shard in shards[::step][:max_shards]:
+        table = store.shard_samples(shard.shard_id)
+        tokens += pa.compute.sum(table.column("num_tokens")).as_py() or 0
+        scored += pa.compute.sum(table.column("num_loss_tokens")).as_py() or 0
+    return scored / tokens if tokens else None

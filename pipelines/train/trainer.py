@@ -52,7 +52,7 @@ from pipelines.train.lineage_check import check_lineage, choose_teacher
 from pipelines.train.metrics import MetricsWindow, append_record, summary_text
 from pipelines.train.objective import loss_denominators
 from pipelines.train.preemption import Preemption
-from pipelines.train.stages import TrainingStage, compile_mode_for, stage_for
+from pipelines.train.stages import TrainingStage, compile_mode_for, scored_token_fraction, stage_for
 from pipelines.train.target_heads import TargetHeads, load_target_heads
 from pipelines.train.teacher_mode import TeacherMode
 
@@ -227,6 +227,12 @@ def setup(recipe: TrainRecipe, dist_state: Distributed, device: torch.device) ->
         aux_layer_ids=recipe.aux_layer_ids,
     )
     logger.info("lineage ok: %s", lineage)
+    if recipe.compile == "auto" and recipe.stage == "draft":  # the store's scored share counts (compile_modes)
+        fraction = scored_token_fraction(store)
+        recipe = recipe.model_copy(update={"compile": str(compile_mode_for(recipe, device, fraction))})
+        stage = stage_for(recipe)
+        logger.info("compile: auto -> %s (%s of the store's tokens scored)", recipe.compile,
+                    "unknown" if fraction is None else f"{fraction:.0%}")
 
     # The model. What of the target is needed: embed_tokens (draft input) and lm_head (the teacher).
     heads = load_target_heads(recipe.target, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16).to(device)

@@ -43,6 +43,8 @@ def test_step_modes_quick_fills_the_train_section_and_keeps_the_others(tmp_path:
     assert train["note"] == "kept"
     assert train["all_scored_bf16_tokens_per_s"] > 0 and train["all_scored_fp8_tokens_per_s"] > 0
     assert set(train["step_variants"]) == {"eager+off", "eager+off+fp8"}
+    assert all(row["back_to_back_tokens_per_s"] > 0 for row in train["step_variants"].values())
+    assert train["all_scored_bf16_back_to_back_tokens_per_s"] > 0
     runs = train["heldout_quality"]["runs"]
     assert set(runs) == {"bf16", "fp8"} and all(len(run["held_out_acc"]) == 7 for run in runs.values())
     assert isinstance(train["fp8_heldout_acc_rel_delta"], float)
@@ -72,6 +74,23 @@ def test_step_variants_parse_from_the_command_line() -> None:
     assert StepVariant.parse("flex+compile") == StepVariant("flex", CompileMode.LAYERS, False)  # the old spelling
     assert StepVariant.parse("eager") == StepVariant("eager", CompileMode.OFF, False)
     assert str(StepVariant.parse("flex+step")) == "flex+step"
+
+
+def test_a_variant_is_timed_step_by_step_and_back_to_back() -> None:
+    """``run_variant`` on the CPU at a small size: the synced median and the back-to-back rate
+    (one sync at the end, as the trainer runs), and the draft learns over both."""
+    import argparse
+
+    import torch
+
+    from benchmarks.train.profile_step import StepVariant, run_variant
+
+    args = argparse.Namespace(shape="reference", tokens=256, rows=1, draft_vocab=512, ttt_length=2, steps=2, warmup=1)
+    row = run_variant(args, StepVariant.parse("eager"), torch.device("cpu"), None, None)
+    assert row["variant"] == "eager+off" and row["tokens_per_step"] == 256
+    assert row["tokens_per_s"] > 0 and row["back_to_back_tokens_per_s"] > 0
+    assert row["back_to_back_step_ms"] == pytest.approx(256_000 / row["back_to_back_tokens_per_s"], rel=0.01)
+    assert row["loss_last"] < row["loss_first"]
 
 
 def test_idle_is_the_span_outside_the_union_of_kernel_intervals() -> None:

@@ -182,6 +182,22 @@ def test_flex_equals_eager_forward_and_backward_on_gpu(doc_lengths, window, ttt_
             torch.testing.assert_close(g, w, rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+@pytest.mark.parametrize("window", [None, 300])
+def test_building_the_block_masks_never_waits_for_the_gpu(window):
+    """A whole-step compiled trainer builds every depth's mask eagerly before the graph; a host
+    sync there stalls the step until the GPU is idle (14 a step, profiled on the H200)."""
+    docs, pos = packed([[700, 300, 500], [1500]], device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        masks = FlexTTTAttention(docs, pos, window, 7, compiled=False).all_block_masks()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(masks) == 7
+
+
 def test_window_modes_differ_only_past_depth_zero():
     """'context' keeps W context keys at every depth (eagle-harness serves it); 'position' drops
     one more per depth (measured from the drafted token). Equal at depth 0; unknown modes refused."""

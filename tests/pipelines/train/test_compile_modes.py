@@ -164,7 +164,7 @@ def test_segmented_attention_cannot_be_traced() -> None:
 def test_auto_is_off_on_the_cpu_and_on_means_layers() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_compile_mode("auto", cpu) == CompileMode.OFF
-    assert resolve_compile_mode("auto", cuda) == CompileMode.LAYERS
+    assert resolve_compile_mode("auto", cuda) == CompileMode.GRAPH
     assert resolve_compile_mode("on", cpu) == CompileMode.LAYERS
     assert resolve_compile_mode(True, cpu) == CompileMode.LAYERS
     assert resolve_compile_mode("graph", cpu) == CompileMode.GRAPH
@@ -176,11 +176,43 @@ def test_auto_never_picks_graph_where_graph_is_refused(monkeypatch) -> None:
     import pipelines.train.compile_modes as modes
 
     cuda = torch.device("cuda")
-    monkeypatch.setattr(modes, "CUDA_DEFAULT", CompileMode.GRAPH)  # as if the GPU measurement chose it
+    assert modes.CUDA_DEFAULT == CompileMode.GRAPH
     assert resolve_compile_mode("auto", cuda) == CompileMode.GRAPH
     assert resolve_compile_mode("auto", cuda, world_size=2) == CompileMode.STEP
     assert resolve_compile_mode("auto", cuda, grad_accum_steps=4) == CompileMode.STEP
     assert resolve_compile_mode("graph", cuda, world_size=2) == CompileMode.GRAPH  # asked for: refused later
+    monkeypatch.setattr(modes, "CUDA_DEFAULT", CompileMode.LAYERS)  # another default is kept as it is
+    assert resolve_compile_mode("auto", cuda, world_size=2) == CompileMode.LAYERS
+
+
+def test_auto_picks_layers_for_a_store_whose_loss_scores_few_tokens() -> None:
+    """A whole-step mode computes the heads' logits at every position; below
+    GRAPH_MIN_SCORED_FRACTION the per-position gathering of layers costs less."""
+    from pipelines.train.compile_modes import GRAPH_MIN_SCORED_FRACTION
+
+    cuda = torch.device("cuda")
+    low, high = GRAPH_MIN_SCORED_FRACTION - 0.01, GRAPH_MIN_SCORED_FRACTION
+    assert resolve_compile_mode("auto", cuda, scored_fraction=0.23) == CompileMode.LAYERS
+    assert resolve_compile_mode("auto", cuda, scored_fraction=low) == CompileMode.LAYERS
+    assert resolve_compile_mode("auto", cuda, scored_fraction=high) == CompileMode.GRAPH
+    assert resolve_compile_mode("auto", cuda, world_size=2, scored_fraction=0.9) == CompileMode.STEP
+    assert resolve_compile_mode("auto", cuda, world_size=2, scored_fraction=0.2) == CompileMode.LAYERS
+    assert resolve_compile_mode("auto", torch.device("cpu"), scored_fraction=0.9) == CompileMode.OFF
+    assert resolve_compile_mode("graph", cuda, scored_fraction=0.1) == CompileMode.GRAPH  # asked for: kept
+
+
+def test_the_scored_fraction_is_read_from_a_few_shards(tmp_path) -> None:
+    import hsstore
+    from pipelines.train.stages import scored_token_fraction
+    from tests.support.stores import write_store
+
+    samples = write_store(str(tmp_path / "store"), num_samples=40, shard_max_tokens=120)
+    store = hsstore.open_store(str(tmp_path / "store"))
+    assert len(store.shards) > 8
+    exact = sum(int(s["loss_mask"].sum()) for s in samples) / sum(len(s["input_ids"]) for s in samples)
+    assert scored_token_fraction(store, max_shards=len(store.shards)) == pytest.approx(exact)
+    estimate = scored_token_fraction(store)  # 8 of the shards
+    assert 0 < estimate < 1 and abs(estimate - exact) < 0.25
 
 
 def test_graph_mode_is_refused_where_replay_would_be_wrong() -> None:
