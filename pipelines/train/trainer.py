@@ -191,6 +191,7 @@ def run_training(recipe: TrainRecipe, *, stop_at_step: int | None = None) -> dic
     use it to check that resuming reproduces an uninterrupted run exactly).
     """
     dist_state, device = setup_distributed(recipe.device)
+    run = None
     try:
         run = setup(recipe, dist_state, device)
         interrupted, last_log = train(run, stop_at_step)
@@ -203,6 +204,11 @@ def run_training(recipe: TrainRecipe, *, stop_at_step: int | None = None) -> dic
             print(summary_text(summary, run.stage.metrics.accuracy_label))
         return summary
     finally:
+        if run is not None and run.recipe.compile == "graph" and device.type == "cuda":
+            # The step's CUDA graphs keep their memory pool (most of the step's peak) until dynamo
+            # is reset; a process that trains again (a sequential sweep's next point) would
+            # otherwise carry one pool per run. The next run compiles again (inductor's cache helps).
+            torch._dynamo.reset()
         if dist_state.owns_group:
             import torch.distributed as dist
 

@@ -116,6 +116,24 @@ def test_traced_step_equals_eager_and_serves_every_batch_of_its_shape() -> None:
     assert counters["stats"]["unique_graphs"] == 1
 
 
+def test_a_new_draft_of_the_same_shape_reuses_the_compiled_step() -> None:
+    """Runs one after another in a process (a sequential sweep): each builds its own draft and
+    objective; dynamo lifts the parameters as graph inputs, so the step is traced once, and each
+    new draft still equals its eager step."""
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    for seed in range(3):
+        draft = ttt_draft(seed=seed)
+        eager = DraftObjective(draft, TeacherMode.DRAFT_PROBS, None, ttt_length=3, attention="eager")
+        compiled = DraftObjective(draft, TeacherMode.DRAFT_PROBS, None, ttt_length=3, compile="step",
+                                  compile_backend="aot_eager")
+        inputs = _draft_probs_inputs(draft, seed=seed)
+        _assert_same_step(_step(compiled, inputs), _step(eager, inputs))
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_traced_step_equals_eager_with_the_final_state_teacher() -> None:
     """The final-state teacher (its validity over the target vocabulary traced too), EAGLE-3.1's
     norms, and ``graph`` mode's copies of the outputs (CUDA-graph replay itself is CUDA's)."""
