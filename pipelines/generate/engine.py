@@ -140,7 +140,7 @@ class BatchGenerator:
     @torch.inference_mode()
     def generate_ids(self, requests: Sequence[Request]) -> tuple[list[list[int]], list[str]]:
         """New token ids (without the stop token) and finish reason of each request of one batch."""
-        from transformers import DynamicCache
+        from pipelines.generate.kv_cache import preallocated_cache
 
         batch_size = len(requests)
         width = max(len(r.prompt_ids) for r in requests)
@@ -157,7 +157,9 @@ class BatchGenerator:
         new_tokens = torch.full(
             (batch_size, int(limits.max())), -1, dtype=torch.long, device=self.device
         )
-        cache = DynamicCache(config=self.model.config)
+        # One buffer per layer for the whole batch, written in place (kv_cache: not a copy of the
+        # whole cache per step).
+        cache = preallocated_cache(self.model.config, width + int(limits.max()))
         logits = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

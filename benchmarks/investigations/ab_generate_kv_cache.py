@@ -1,0 +1,95 @@
+"""A/B of ``hsstore generate``'s KV cache: the preallocated layers (``pipelines/generate/kv_cache.py``)
+against transformers' ``DynamicCache`` (a ``torch.cat`` of each layer's whole cache per step), the
+same decode loop, the same requests, passes alternating.
+
+    python -m benchmarks.investigations.ab_generate_kv_cache --batch 256 --new-tokens 128 --threads 2 \\
+        --out benchmarks/results/generate-kv-cache-cpu.json
+
+The target is the reference target (real weights); prompts are random token ids of 150-250
+tokens, greedy, no stop token (every answer runs to ``--new-tokens``). Reported: each path's
+seconds per pass, tokens/s of the median pass, the speedup, and whether both decoded the same
+tokens. Several settings append to one ``--out`` file (``runs``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import REPO_ROOT
+
+
+def run(batch: int, new_tokens: int, threads: int, repeats: int, device: str, dtype: str) -> dict[str, Any]:
+    from transformers import DynamicCache
+
+    import pipelines.generate.kv_cache as kv_cache
+    from pipelines.extract.target import load_target
+    from pipelines.generate.engine import BatchGenerator, SamplingParams
+    from pipelines.generate.prompts import Request
+
+    torch.set_num_threads(threads)
+    model = load_target(str(REPO_ROOT / "examples" / "reference-target"), dtype=dtype, device=device)
+    gen = torch.Generator().manual_seed(0)
+    requests = []
+    for i in range(batch):
+        length = int(torch.randint(150, 250, (1,), generator=gen))
+        requests.append(Request(tuple(torch.randint(10, 8000, (length,), generator=gen).tolist()), new_tokens, i))
+    generator = BatchGenerator(model, None, stop_token_ids=[], pad_token_id=0, params=SamplingParams(),
+                               max_batch_size=batch, token_budget=10**9)
+    preallocated = kv_cache.preallocated_cache
+    paths = {"preallocated": preallocated, "dynamic": lambda config, capacity: DynamicCache(config=config)}
+    generator.generate_ids(requests[:4])  # imports and first-call costs outside the clock
+    seconds: dict[str, list[float]] = {name: [] for name in paths}
+    tokens: dict[str, Any] = {}
+    try:
+        for rep in range(repeats):
+            for name in (["preallocated", "dynamic"] if rep % 2 == 0 else ["dynamic", "preallocated"]):
+                kv_cache.preallocated_cache = paths[name]
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                started = time.perf_counter()
+                tokens[name] = generator.generate_ids(requests)
+                seconds[name].append(round(time.perf_counter() - started, 2))
+    finally:
+        kv_cache.preallocated_cache = preallocated
+    median = {name: statistics.median(values) for name, values in seconds.items()}
+    return {
+        "batch": batch, "new_tokens": new_tokens, "threads": threads, "device": device, "dtype": dtype,
+        "seconds": seconds, "tokens_per_s": {name: round(batch * new_tokens / s) for name, s in median.items()},
+        "speedup": round(median["dynamic"] / median["preallocated"], 3),
+        "same_tokens": tokens["preallocated"] == tokens["dynamic"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--out", type=Path, default=None, help="append this run to the file's 'runs'")
+    args = parser.parse_args(argv)
+    row = run(args.batch, args.new_tokens, args.threads, args.repeats, args.device, args.dtype)
+    row["date"] = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    row["machine"] = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count()}
+    print(json.dumps(row))
+    if args.out is not None:
+        results = json.loads(args.out.read_text()) if args.out.exists() else {"runs": []}
+        results["runs"].append(row)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
