@@ -20,8 +20,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import ClassVar
 
-import pyarrow as pa
-import pyarrow.compute  # noqa: F401 (pa.compute)
+import pyarrow.compute as pc
 import torch
 from torch import nn
 
@@ -239,6 +238,6 @@ def scored_token_fraction(store: hsstore.Store, max_shards: int = 8) -> float | 
     tokens = scored = 0
     for shard in shards[::step][:max_shards]:
         table = store.shard_samples(shard.shard_id)
-        tokens += pa.compute.sum(table.column("num_tokens")).as_py() or 0
-        scored += pa.compute.sum(table.column("num_loss_tokens")).as_py() or 0
+        tokens += pc.sum(table.column("num_tokens")).as_py() or 0
+        scored += pc.sum(table.column("num_loss_tokens")).as_py() or 0
     return scored / tokens if tokens else None

@@ -217,7 +217,6 @@ def run_training(recipe: TrainRecipe, *, stop_at_step: int | None = None) -> dic
 
 def setup(recipe: TrainRecipe, dist_state: Distributed, device: torch.device) -> TrainingRun:
     """Everything before step 1 (a resumed run: as its newest checkpoint left it)."""
-    stage = stage_for(recipe)
     output_dir = Path(recipe.output_dir)
     if dist_state.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -226,6 +225,12 @@ def setup(recipe: TrainRecipe, dist_state: Distributed, device: torch.device) ->
 
     # Store and lineage: refuse a mismatched store before anything is computed.
     store = open_training_store(recipe)
+    if recipe.compile == "auto" and recipe.stage == "draft":  # the store's scored share counts (compile_modes)
+        fraction = scored_token_fraction(store)
+        recipe = recipe.model_copy(update={"compile": str(compile_mode_for(recipe, device, fraction))})
+        logger.info("compile: auto -> %s (%s of the store's tokens scored)", recipe.compile,
+                    "unknown" if fraction is None else f"{fraction:.0%}")
+    stage = stage_for(recipe)
     teacher = choose_teacher(store, recipe.teacher)
     lineage = check_lineage(
         store, recipe.target, expect_aux_layer_ids=recipe.expect_aux_layer_ids,
@@ -233,12 +238,6 @@ def setup(recipe: TrainRecipe, dist_state: Distributed, device: torch.device) ->
         aux_layer_ids=recipe.aux_layer_ids,
     )
     logger.info("lineage ok: %s", lineage)
-    if recipe.compile == "auto" and recipe.stage == "draft":  # the store's scored share counts (compile_modes)
-        fraction = scored_token_fraction(store)
-        recipe = recipe.model_copy(update={"compile": str(compile_mode_for(recipe, device, fraction))})
-        stage = stage_for(recipe)
-        logger.info("compile: auto -> %s (%s of the store's tokens scored)", recipe.compile,
-                    "unknown" if fraction is None else f"{fraction:.0%}")
 
     # The model. What of the target is needed: embed_tokens (draft input) and lm_head (the teacher).
     heads = load_target_heads(recipe.target, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16).to(device)
