@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import REPO_ROOT
+from pipelines.generate import engine  # noqa: E402
 from pipelines.generate.engine import BatchGenerator, SamplingParams  # noqa: E402
 from pipelines.generate.prompts import Request  # noqa: E402
 
@@ -43,8 +44,15 @@ EOS_ID = 2
 
 
 def build_model(shape: str, device: torch.device) -> Any:
-    """Random weights, built straight on the device in bf16 (CUDA) or float32 (CPU)."""
+    """Random weights, built straight on the device in bf16 (CUDA) or float32 (CPU); ``reference``:
+    the reference target's own weights."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if shape == "reference":
+        from pipelines.extract.target import load_target
+
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+        return load_target(str(REPO_ROOT / "examples" / "reference-target"), dtype=dtype, device=str(device))
 
     config = Qwen3Config(**(QWEN3_8B if shape == "qwen3-8b" else TINY), architectures=["Qwen3ForCausalLM"],
                          eos_token_id=EOS_ID, pad_token_id=0)
@@ -123,7 +131,7 @@ def run_plain(model: Any, batches: list[list[list[int]]], max_new: int, device: 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", choices=["qwen3-8b", "tiny"], default="qwen3-8b")
+    parser.add_argument("--shape", choices=["qwen3-8b", "tiny", "reference"], default="qwen3-8b")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, default=128)
@@ -132,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2, help="timed passes per path, alternating; best kept")
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "generate-h200.json"))
+    parser.add_argument(
+        "--sdpa", default="engine", help="comma-separated attention choices for hsstore's path: engine (the engine's "
+        "default), default (torch's own choice), no-cudnn (flash, memory-efficient, math); the first is reported as "
+        "hsstore_tokens_per_s, every one under 'sdpa'"
+    )
     parser.add_argument(
         "--quick", action="store_true", help="CPU smoke: tiny shape, 16 prompts of 8-32 tokens, batch 8, 8 new tokens, 1 pass"
     )
@@ -149,10 +162,19 @@ def main(argv: list[str] | None = None) -> int:
     warm = [batches[0][: min(8, len(batches[0]))]]
     run_hsstore(model, warm, 8, device)
     run_plain(model, warm, 8, device)
-    hsstore_runs, plain_runs = [], []
-    for _ in range(args.repeats):  # alternating, so drift (clocks, other load) hits both
-        hsstore_runs.append(run_hsstore(model, batches, args.max_new_tokens, device))
-        plain_runs.append(run_plain(model, batches, args.max_new_tokens, device))
+    variants = args.sdpa.split(",")
+    runs: dict[str, list[tuple[int, float]]] = {name: [] for name in variants}
+    plain_runs = []
+    engine_default = engine.DECODE_SDPA
+    try:
+        for _ in range(args.repeats):  # alternating, so drift (clocks, other load) hits every path
+            for name in variants:
+                engine.DECODE_SDPA = {"engine": engine_default, "default": None}.get(name, name)
+                runs[name].append(run_hsstore(model, batches, args.max_new_tokens, device))
+            plain_runs.append(run_plain(model, batches, args.max_new_tokens, device))
+    finally:
+        engine.DECODE_SDPA = engine_default
+    hsstore_runs = runs[variants[0]]
     best_h = max(t / s for t, s in hsstore_runs)
     best_p = max(t / s for t, s in plain_runs)
     result = {
@@ -168,6 +190,16 @@ def main(argv: list[str] | None = None) -> int:
         "max_new_tokens": args.max_new_tokens,
         "hsstore_runs": [{"tokens": t, "seconds": round(s, 3)} for t, s in hsstore_runs],
         "plain_runs": [{"tokens": t, "seconds": round(s, 3)} for t, s in plain_runs],
+        # Passes in the order run (per repeat: the variants, then plain); a first pass meets shapes
+        # (batch, key length) no pass before it met, which costs kernels that plan per shape (cuDNN).
+        "sdpa": {
+            name: {
+                "best_tokens_per_s": round(max(t / s for t, s in passes), 1),
+                "runs": [{"tokens": t, "seconds": round(s, 3)} for t, s in passes],
+            }
+            for name, passes in runs.items()
+        },
+        "engine_sdpa": engine_default or "default",
         "model_build_seconds": round(build_seconds, 1),
         "torch": torch.__version__,
     }

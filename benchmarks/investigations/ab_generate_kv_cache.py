@@ -8,7 +8,9 @@ same decode loop, the same requests, passes alternating.
 The target is the reference target (real weights); prompts are random token ids of 150-250
 tokens, greedy, no stop token (every answer runs to ``--new-tokens``). Reported: each path's
 seconds per pass, tokens/s of the median pass, the speedup, and whether both decoded the same
-tokens. Several settings append to one ``--out`` file (``runs``).
+tokens. Several settings append to one ``--out`` file (``runs``). ``--profile FILE`` then decodes
+one more pass (preallocated) under ``torch.profiler`` and writes its operators by host time and by
+device time (where a host-bound loop spends its step).
 """
 
 from __future__ import annotations
@@ -28,7 +30,25 @@ import torch
 from benchmarks.common import REPO_ROOT
 
 
-def run(batch: int, new_tokens: int, threads: int, repeats: int, device: str, dtype: str) -> dict[str, Any]:
+def profile_pass(generator: Any, requests: list[Any], out: Path) -> None:
+    """One preallocated pass under torch.profiler: the operators by self host time and by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    started = time.perf_counter()
+    with profile(activities=activities) as prof:
+        generator.generate_ids(requests)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    table = prof.key_averages()
+    header = f"one pass under the profiler: {time.perf_counter() - started:.2f} s\n"
+    by_device = table.table(sort_by="self_cuda_time_total", row_limit=25) if torch.cuda.is_available() else ""
+    out.write_text(header + table.table(sort_by="self_cpu_time_total", row_limit=40) + "\n" + by_device + "\n")
+
+
+def run(
+    batch: int, new_tokens: int, threads: int, repeats: int, device: str, dtype: str, profile: Path | None = None
+) -> dict[str, Any]:
     from transformers import DynamicCache
 
     import pipelines.generate.kv_cache as kv_cache
@@ -62,6 +82,8 @@ def run(batch: int, new_tokens: int, threads: int, repeats: int, device: str, dt
     finally:
         kv_cache.preallocated_cache = preallocated
     median = {name: statistics.median(values) for name, values in seconds.items()}
+    if profile is not None:
+        profile_pass(generator, requests, profile)
     return {
         "batch": batch, "new_tokens": new_tokens, "threads": threads, "device": device, "dtype": dtype,
         "seconds": seconds, "tokens_per_s": {name: round(batch * new_tokens / s) for name, s in median.items()},
@@ -79,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--out", type=Path, default=None, help="append this run to the file's 'runs'")
+    parser.add_argument("--profile", type=Path, default=None, help="write one profiled pass's operator tables here")
     args = parser.parse_args(argv)
-    row = run(args.batch, args.new_tokens, args.threads, args.repeats, args.device, args.dtype)
+    row = run(args.batch, args.new_tokens, args.threads, args.repeats, args.device, args.dtype, args.profile)
     row["date"] = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     row["machine"] = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count()}
     print(json.dumps(row))

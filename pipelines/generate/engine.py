@@ -13,7 +13,8 @@ every answer's next token sits in the last column.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,23 @@ BatchCallback = Callable[[int, int], None]  # (answers, new tokens) after each b
 
 # Compact the batch (drop finished rows and their cache) when at most this share is still running.
 COMPACT_BELOW = 0.5
+
+# The attention kernels the loop lets SDPA choose from on CUDA (None: torch's own choice).
+# "no-cudnn": flash, memory-efficient and math; see decode_attention().
+DECODE_SDPA: str | None = None
+
+
+@contextmanager
+def decode_attention(device: torch.device) -> Iterator[None]:
+    """The SDPA kernels of one batch's prefill and decode steps (``DECODE_SDPA``)."""
+    if device.type != "cuda" or DECODE_SDPA is None:
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    with sdpa_kernel(backends):
+        yield
 
 
 @dataclass(frozen=True)
@@ -140,6 +158,10 @@ class BatchGenerator:
     @torch.inference_mode()
     def generate_ids(self, requests: Sequence[Request]) -> tuple[list[list[int]], list[str]]:
         """New token ids (without the stop token) and finish reason of each request of one batch."""
+        with decode_attention(self.device):
+            return self._generate_ids(requests)
+
+    def _generate_ids(self, requests: Sequence[Request]) -> tuple[list[list[int]], list[str]]:
         from pipelines.generate.kv_cache import preallocated_cache
 
         batch_size = len(requests)

@@ -33,6 +33,8 @@ def test_the_ceiling_runs_every_stage_and_merges_its_report(tmp_path: Path) -> N
     sources, work, shipped = tmp_path / "sources", tmp_path / "work", tmp_path / "shipped"
     write_sources(sources)
     export_untrained(shipped, seed=0, draft_vocab_size=2048)  # the training recipe's vocabulary size
+    raw = tmp_path / "raw"
+    export_untrained(raw, seed=1, draft_vocab_size=2048)
     reserved = tmp_path / "reserved.sha256"
     reserved.write_text("# no reserved files\n")
     out = tmp_path / "reference-draft.json"
@@ -42,6 +44,7 @@ def test_the_ceiling_runs_every_stage_and_merges_its_report(tmp_path: Path) -> N
     }))
     common = ["ceiling", "--work", str(work), "--num-prompts", "2", "--skip-files", "0", "--source-root", str(sources),
               "--reserved", str(reserved), "--exclude-sources", str(TRAIN_SLICE), "--shipped", str(shipped),
+              "--raw-draft", str(raw),
               "--answer-tokens", "6", "--max-new-tokens", "4", "--train-steps", "2", "--token-budget", "2048",
               "--out", str(out)]
     assert bench_evaluate.main(common) == 0
@@ -50,15 +53,21 @@ def test_the_ceiling_runs_every_stage_and_merges_its_report(tmp_path: Path) -> N
     assert stages["contexts"]["prompt_ids_equal"] == 2
     assert stages["train"]["steps"] == 2 and stages["train"]["train_acc_per_depth_by_epoch"]
     assert len(stages["accuracy"]["ceiling"]["accuracy_per_depth"]) == 7
+    assert len(stages["accuracy"]["raw"]["accuracy_per_depth"]) == 7
 
     assert bench_evaluate.main([*common, "--report"]) == 0
     results = json.loads(out.read_text())
     assert results["al_tree_t0"] == 3.0 and results["ladder"]["raw"]["al_tree_t0"] == 2.5  # kept as they were
     ceiling = results["acceptance_ceiling"]
-    for draft in ("ceiling", "shipped"):
+    for draft in ("ceiling", "shipped", "raw"):
         assert ceiling["acceptance_length"][draft]["al_tree_t0"] >= 1.0
         assert ceiling["acceptance_length"][draft]["al_chain5_t0"] >= 1.0
-    assert set(ceiling["measured_ratios"]) == {"ceiling_over_shipped_chain5_t0", "ceiling_over_shipped_tree_t0"}
+    assert set(ceiling["measured_ratios"]) == {
+        f"{ratio}_{setting}" for ratio in ("ceiling_over_shipped", "ceiling_over_raw", "shipped_over_raw")
+        for setting in ("chain5_t0", "tree_t0")
+    }
+    al = ceiling["acceptance_length"]
+    assert ceiling["measured_ratios"]["ceiling_over_raw_tree_t0"] == round(al["ceiling"]["al_tree_t0"] / al["raw"]["al_tree_t0"], 3)
     versus_raw = ceiling["versus_raw_data_draft"]["tree_t0"]
     assert versus_raw["raw_on_eval"] == 2.5 and versus_raw["aim_1_3x_raw"] == 3.25
     assert {"ceiling_on_eval_estimate", "over_raw_estimate", "ceiling_on_probe_over_raw_on_eval"} <= set(versus_raw)
