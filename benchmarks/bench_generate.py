@@ -3,7 +3,7 @@
 The same prompts (random token ids of mixed lengths, length-sorted and cut into batches of
 ``--batch``), the same model, greedy, the same ``max_new_tokens`` and stop ids, both in the same
 process one after the other (each after one warm-up batch). hsstore's path is the transformers
-backend's generator (pipelines/generate/engine.py: its own loop over a DynamicCache, per-answer
+backend's generator (pipelines/generate/engine.py: its own loop and KV cache, per-answer
 seeds, finished answers dropped from the batch); the plain path is
 ``model.generate(input_ids, attention_mask, max_new_tokens=..., do_sample=False)`` per batch.
 Tokens counted are new tokens before the stop token (padding after it excluded), per path.
@@ -141,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="timed passes per path, alternating; best kept")
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "generate-h200.json"))
     parser.add_argument(
-        "--sdpa", default="engine", help="comma-separated attention choices for hsstore's path: engine (the engine's "
-        "default), default (torch's own choice), no-cudnn (flash, memory-efficient, math); the first is reported as "
-        "hsstore_tokens_per_s, every one under 'sdpa'"
+        "--variants", default="engine", help="comma-separated settings of hsstore's path: engine (its defaults), "
+        "no-cudnn (SDPA without cuDNN), preallocated / dynamic (the KV cache); the first is reported as "
+        "hsstore_tokens_per_s, every one under 'variants'"
     )
     parser.add_argument(
         "--quick", action="store_true", help="CPU smoke: tiny shape, 16 prompts of 8-32 tokens, batch 8, 8 new tokens, 1 pass"
@@ -162,18 +162,24 @@ def main(argv: list[str] | None = None) -> int:
     warm = [batches[0][: min(8, len(batches[0]))]]
     run_hsstore(model, warm, 8, device)
     run_plain(model, warm, 8, device)
-    variants = args.sdpa.split(",")
+    variants = args.variants.split(",")
     runs: dict[str, list[tuple[int, float]]] = {name: [] for name in variants}
     plain_runs = []
-    engine_default = engine.DECODE_SDPA
+    defaults = engine.DECODE_SDPA, engine.KV_CACHE
     try:
         for _ in range(args.repeats):  # alternating, so drift (clocks, other load) hits every path
             for name in variants:
-                engine.DECODE_SDPA = {"engine": engine_default, "default": None}.get(name, name)
+                engine.DECODE_SDPA, engine.KV_CACHE = defaults
+                if name == "no-cudnn":
+                    engine.DECODE_SDPA = name
+                elif name in ("preallocated", "dynamic"):
+                    engine.KV_CACHE = name
+                elif name != "engine":
+                    raise SystemExit(f"--variants: unknown variant {name!r}")
                 runs[name].append(run_hsstore(model, batches, args.max_new_tokens, device))
             plain_runs.append(run_plain(model, batches, args.max_new_tokens, device))
     finally:
-        engine.DECODE_SDPA = engine_default
+        engine.DECODE_SDPA, engine.KV_CACHE = defaults
     hsstore_runs = runs[variants[0]]
     best_h = max(t / s for t, s in hsstore_runs)
     best_p = max(t / s for t, s in plain_runs)
@@ -192,14 +198,14 @@ def main(argv: list[str] | None = None) -> int:
         "plain_runs": [{"tokens": t, "seconds": round(s, 3)} for t, s in plain_runs],
         # Passes in the order run (per repeat: the variants, then plain); a first pass meets shapes
         # (batch, key length) no pass before it met, which costs kernels that plan per shape (cuDNN).
-        "sdpa": {
+        "variants": {
             name: {
                 "best_tokens_per_s": round(max(t / s for t, s in passes), 1),
                 "runs": [{"tokens": t, "seconds": round(s, 3)} for t, s in passes],
             }
             for name, passes in runs.items()
         },
-        "engine_sdpa": engine_default or "default",
+        "engine_defaults": {"sdpa": defaults[0] or "torch's choice", "kv_cache": defaults[1]},
         "model_build_seconds": round(build_seconds, 1),
         "torch": torch.__version__,
     }

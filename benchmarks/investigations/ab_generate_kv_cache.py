@@ -49,10 +49,8 @@ def profile_pass(generator: Any, requests: list[Any], out: Path) -> None:
 def run(
     batch: int, new_tokens: int, threads: int, repeats: int, device: str, dtype: str, profile: Path | None = None
 ) -> dict[str, Any]:
-    from transformers import DynamicCache
-
-    import pipelines.generate.kv_cache as kv_cache
     from pipelines.extract.target import load_target
+    from pipelines.generate import engine
     from pipelines.generate.engine import BatchGenerator, SamplingParams
     from pipelines.generate.prompts import Request
 
@@ -65,25 +63,26 @@ def run(
         requests.append(Request(tuple(torch.randint(10, 8000, (length,), generator=gen).tolist()), new_tokens, i))
     generator = BatchGenerator(model, None, stop_token_ids=[], pad_token_id=0, params=SamplingParams(),
                                max_batch_size=batch, token_budget=10**9)
-    preallocated = kv_cache.preallocated_cache
-    paths = {"preallocated": preallocated, "dynamic": lambda config, capacity: DynamicCache(config=config)}
+    paths = ("preallocated", "dynamic")  # engine.KV_CACHE
+    chosen = engine.KV_CACHE
     generator.generate_ids(requests[:4])  # imports and first-call costs outside the clock
     seconds: dict[str, list[float]] = {name: [] for name in paths}
     tokens: dict[str, Any] = {}
     try:
         for rep in range(repeats):
             for name in (["preallocated", "dynamic"] if rep % 2 == 0 else ["dynamic", "preallocated"]):
-                kv_cache.preallocated_cache = paths[name]
+                engine.KV_CACHE = name
                 if device.startswith("cuda"):
                     torch.cuda.synchronize()
                 started = time.perf_counter()
                 tokens[name] = generator.generate_ids(requests)
                 seconds[name].append(round(time.perf_counter() - started, 2))
+        if profile is not None:
+            engine.KV_CACHE = "preallocated"
+            profile_pass(generator, requests, profile)
     finally:
-        kv_cache.preallocated_cache = preallocated
+        engine.KV_CACHE = chosen
     median = {name: statistics.median(values) for name, values in seconds.items()}
-    if profile is not None:
-        profile_pass(generator, requests, profile)
     return {
         "batch": batch, "new_tokens": new_tokens, "threads": threads, "device": device, "dtype": dtype,
         "seconds": seconds, "tokens_per_s": {name: round(batch * new_tokens / s) for name, s in median.items()},

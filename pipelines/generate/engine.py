@@ -27,8 +27,30 @@ BatchCallback = Callable[[int, int], None]  # (answers, new tokens) after each b
 COMPACT_BELOW = 0.5
 
 # The attention kernels the loop lets SDPA choose from on CUDA (None: torch's own choice).
-# "no-cudnn": flash, memory-efficient and math; see decode_attention().
+# "no-cudnn": flash, memory-efficient and math. Measured on an H200 (benchmarks/LOG.md, 2026-12-04):
+# cuDNN builds a plan per new (batch, key length), which a decode meets every step, so a process's
+# first pass over new shapes took 1.9-3.0x its later ones; without it the first pass is not slower,
+# but every later one is 7-34% slower: torch's choice is kept (a long job meets its shapes once).
 DECODE_SDPA: str | None = None
+
+# "preallocated" (kv_cache.py: one buffer per layer, written in place) or "dynamic" (transformers'
+# DynamicCache: each layer's whole cache concatenated every step). Measured (benchmarks/LOG.md,
+# 2026-12-04): on the CPU preallocated is 1.29-1.72x; on an H200 1.09-1.12x for the reference target
+# at batch 1,024 with 300-1,500-token prompts, level at the 8B shape, and 0.93x with short
+# (150-250-token) prompts, where the concatenation is cheap and attention over the buffer's strided
+# views is not.
+KV_CACHE = "preallocated"
+
+
+def new_cache(config: object, capacity: int) -> object:
+    """The KV cache of one batch (``KV_CACHE``) for up to ``capacity`` tokens a row."""
+    from pipelines.generate.kv_cache import preallocated_cache
+
+    if KV_CACHE == "preallocated":
+        return preallocated_cache(config, capacity)
+    from transformers import DynamicCache
+
+    return DynamicCache(config=config)
 
 
 @contextmanager
@@ -162,8 +184,6 @@ class BatchGenerator:
             return self._generate_ids(requests)
 
     def _generate_ids(self, requests: Sequence[Request]) -> tuple[list[list[int]], list[str]]:
-        from pipelines.generate.kv_cache import preallocated_cache
-
         batch_size = len(requests)
         width = max(len(r.prompt_ids) for r in requests)
         input_ids = torch.full((batch_size, width), self.pad_token_id, dtype=torch.long)
@@ -179,9 +199,7 @@ class BatchGenerator:
         new_tokens = torch.full(
             (batch_size, int(limits.max())), -1, dtype=torch.long, device=self.device
         )
-        # One buffer per layer for the whole batch, written in place (kv_cache: not a copy of the
-        # whole cache per step).
-        cache = preallocated_cache(self.model.config, width + int(limits.max()))
+        cache = new_cache(self.model.config, width + int(limits.max()))
         logits = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
 
+from pipelines.generate import engine
 from pipelines.generate.engine import BatchGenerator, SamplingParams
 from pipelines.generate.kv_cache import PreallocatedLayer, preallocated_cache
 from pipelines.generate.prompts import Request
@@ -39,14 +39,21 @@ def test_the_preallocated_cache_decodes_what_the_dynamic_cache_decodes(monkeypat
         return original(self, indices)
 
     monkeypatch.setattr(PreallocatedLayer, "batch_select_indices", counting)
+    monkeypatch.setattr(engine, "KV_CACHE", "preallocated")
     got = generator.generate_ids(requests)
     assert selected, "the batch was never compacted: the test would not cover it"
 
-    import pipelines.generate.kv_cache as kv_cache
-
-    monkeypatch.setattr(kv_cache, "preallocated_cache", lambda config, capacity: DynamicCache(config=config))
+    monkeypatch.setattr(engine, "KV_CACHE", "dynamic")
+    count = len(selected)
     want = generator.generate_ids(requests)
+    assert len(selected) == count, "the dynamic path used the preallocated cache"
     assert got == want
+
+
+def test_the_loop_preallocates_by_default() -> None:
+    config = tiny_qwen3(max_position_embeddings=128, num_hidden_layers=2).config
+    assert engine.KV_CACHE == "preallocated"
+    assert all(isinstance(layer, PreallocatedLayer) for layer in engine.new_cache(config, 20).layers)
 
 
 def test_each_step_writes_into_the_same_buffer() -> None:
