@@ -13,6 +13,13 @@
 #   STEPS=3000 RUNGS="raw greedy" GREEDY_DATA=/tmp/reference-draft/gen-greedy-0,/tmp/reference-draft/gen-greedy-1 bash tools/gpu_reference_draft.sh train
 #     (extract the rungs, train each at equal steps, export the newest step all reached)
 # The acceptance lengths are then measured on the CPU (python3 -m benchmarks.bench_evaluate reference-draft).
+# The ceiling against a raw-data draft (LOG, 2026-12-04), after `bench_evaluate ceiling --work W
+# --stages probe,generate,extract` here:
+#   mkdir -p .gpu-data && cp ../shared/data/reserved_sources.sha256 .gpu-data/
+#   python3 -c "import json; print('\n'.join(json.loads(l)['id'] for l in open('W/probe.jsonl')))" > .gpu-data/probe-ids.txt
+#   tar cJf .gpu-data/probe-generated.tar.xz -C W generated
+#   STEPS=3000 bash tools/gpu_reference_draft.sh raw-ceiling     (carry .gpu/whl and .gpu-data; drafts.tgz comes back)
+#   bench_evaluate ceiling --work W --stages decode,accuracy --raw-draft export-raw --ceiling-draft export-ceiling, then --report
 set -uo pipefail
 stage=${1:?stage}
 OUT=${OUT:-/tmp/reference-draft-out}
