@@ -125,7 +125,10 @@ case "$stage" in
     #   the VM), extracted here in float32 as the VM's stage does, trained with its settings.
     # ../shared does not travel: .gpu-data/reserved_sources.sha256 is its copy (examples/data/eval_prompts.jsonl
     # is the same file as its eval_prompts.jsonl).
+    # RAW_XZ: the raw records chosen elsewhere by the same recipe (e.g. on the VM whose packages the
+    # probe's files come from), instead of this machine's; CEILING=0: the raw draft only.
     tar xJf .gpu-data/probe-generated.tar.xz -C "$W"
+    if [ -n "${RAW_XZ:-}" ]; then xz -dc "$RAW_XZ" > "$W/source-raw.jsonl"; else
     python3 -m pipelines.generate.source_prompts --out "$W/source-raw-all.jsonl" --human-answers 2000 \
       --reserved .gpu-data/reserved_sources.sha256 --eval examples/data/eval_prompts.jsonl | tail -n 2
     python3 - "$W" <<'PY'
@@ -143,6 +146,7 @@ kept = [line for line in chosen if json.loads(line)["id"] not in probe]
 (w / "source-raw.jsonl").write_text("".join(kept), encoding="utf-8")
 print(f"raw rung: {len(kept)} records of the first 14,000 (split at {at}), {len(chosen) - len(kept)} probe files dropped")
 PY
+    fi
     hs extract recipes/reference/extract.yaml --set "data=[examples/data/draft_train_slice.jsonl,$W/source-raw.jsonl]" \
       --set "store=$W/store-raw" --set executor=local > "$OUT/extract-raw.log" 2>&1 &
     hs extract recipes/reference/extract.yaml --set "data=[$W/generated]" --set "store=$W/store-probe" \
@@ -152,13 +156,14 @@ PY
     timeout $(( ${TRAIN_DEADLINE:-540} - SECONDS )) python3 -m pipelines.cli train recipes/reference/train-reference-draft.yaml \
       --set "store=$W/store-raw" --set "output_dir=$W/draft-raw" --set "max_steps=$STEPS" \
       --set checkpoint_every=250 --set keep_checkpoints=1000 > "$OUT/train-raw.log" 2>&1 &
-    python3 -m pipelines.cli train recipes/reference/train-reference-draft.yaml --set "store=$W/store-probe" \
+    [ "${CEILING:-1}" = 0 ] || python3 -m pipelines.cli train recipes/reference/train-reference-draft.yaml --set "store=$W/store-probe" \
       --set "output_dir=$W/draft-ceiling" --set init_from=examples/reference-draft --set max_steps=450 \
       --set optimizer.lr=1e-3 --set schedule.warmup_steps=5 --set schedule.epochs=100000 \
       --set loader.token_budget=2048 --set log_every=1 --set checkpoint_every=450 > "$OUT/train-ceiling.log" 2>&1
     wait
     tail -n 3 "$OUT"/train-*.log
-    for name in raw ceiling; do
+    names="raw ceiling"; [ "${CEILING:-1}" = 0 ] && names=raw
+    for name in $names; do
       checkpoint="$W/draft-$name/checkpoints/final"
       [ -d "$checkpoint" ] || checkpoint=$(ls -d "$W/draft-$name"/checkpoints/step_* | sort | tail -1)
       hs export "$checkpoint" --format eagle3 --out "$W/export-$name" --overwrite
@@ -166,6 +171,6 @@ PY
       cp "$W/draft-$name/metrics.jsonl" "$W/export-$name/"
     done
     hs info "$W/store-raw" > "$W/export-raw/store-info.txt" 2>&1
-    (cd "$W" && tar czf "$OUT/drafts.tgz" export-raw export-ceiling) ;;
+    (cd "$W" && tar czf "$OUT/drafts.tgz" $(for name in $names; do echo "export-$name"; done)) ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
