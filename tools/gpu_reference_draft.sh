@@ -116,59 +116,57 @@ case "$stage" in
     (cd "$W" && tar czf "$OUT/drafts.tgz" $(for rung in $rungs; do echo "export-$rung"; done)) ;;
   raw-ceiling)
     # The two drafts the acceptance ceiling is compared with, in one call (LOG, 2026-12-04):
-    # - the raw rung, rebuilt from this machine's sources by the ladder's recipe: the builder's first
-    #   14,000 prompts split in two as the generation split them, the first 4,096 records of each
-    #   (the bundled slice's 160 first), each answered by its file's own text; none of the probe's
-    #   files (.gpu-data/probe-ids.txt);
-    # - the ceiling: the shipped draft fine-tuned on the probe's greedy answers
-    #   (.gpu-data/probe-generated.tar.xz, from `bench_evaluate ceiling --stages probe,generate` on
-    #   the VM), extracted here in float32 as the VM's stage does, trained with its settings.
+    # - the raw rung, rebuilt by the ladder's recipe: the prompts the greedy generation answered (the
+    #   builder's first 14,000 prompts split in two by the generate stage's `split`, the first 4,096
+    #   records of each, the bundled slice's 160 first), each answered by its file's own text; none
+    #   of the probe's files (.gpu-data/probe-ids.txt). From this machine's sources, or RAW_XZ: the
+    #   raw records chosen elsewhere the same way (e.g. on the VM whose packages the probe's files
+    #   come from);
+    # - the ceiling (CEILING=0: skipped): `bench_evaluate ceiling --stages extract,train` on this GPU,
+    #   over the probe's greedy answers (.gpu-data/probe-generated.tar.xz, from its probe and
+    #   generate stages on the VM), so its settings are the benchmark's own.
     # ../shared does not travel: .gpu-data/reserved_sources.sha256 is its copy (examples/data/eval_prompts.jsonl
     # is the same file as its eval_prompts.jsonl).
-    # RAW_XZ: the raw records chosen elsewhere by the same recipe (e.g. on the VM whose packages the
-    # probe's files come from), instead of this machine's; CEILING=0: the raw draft only.
-    tar xJf .gpu-data/probe-generated.tar.xz -C "$W"
+    mkdir -p "$W/ceiling" && tar xJf .gpu-data/probe-generated.tar.xz -C "$W/ceiling"
     if [ -n "${RAW_XZ:-}" ]; then xz -dc "$RAW_XZ" > "$W/source-raw.jsonl"; else
-    python3 -m pipelines.generate.source_prompts --out "$W/source-raw-all.jsonl" --human-answers 2000 \
-      --reserved .gpu-data/reserved_sources.sha256 --eval examples/data/eval_prompts.jsonl | tail -n 2
-    python3 - "$W" <<'PY'
+      for answers in "" "--human-answers 2000"; do
+        out="$W/source-prompts-all.jsonl"; [ -n "$answers" ] && out="$W/source-raw-all.jsonl"
+        python3 -m pipelines.generate.source_prompts --out "$out" $answers \
+          --reserved .gpu-data/reserved_sources.sha256 --eval examples/data/eval_prompts.jsonl | tail -n 2
+      done
+      head -n 14000 "$W/source-prompts-all.jsonl" > "$W/source-prompts-first.jsonl"
+      split -n l/2 -d -a 2 --additional-suffix=.jsonl "$W/source-prompts-first.jsonl" "$W/source-prompts-first.part"
+      { head -n $(( 4096 - 160 )) "$W/source-prompts-first.part00.jsonl"; head -n 4096 "$W/source-prompts-first.part01.jsonl"; } \
+        > "$W/source-prompts-answered.jsonl"
+      python3 - "$W" <<'PY'
 import json, sys
 from pathlib import Path
 w = Path(sys.argv[1])
-probe = set(Path(".gpu-data/probe-ids.txt").read_text().split())
-lines = (w / "source-raw-all.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)[:14000]
-half = sum(len(line.encode()) for line in lines) / 2  # split -n l/2: by bytes, at line ends
-at, size = 0, 0
-while size + len(lines[at].encode()) <= half:
-    size += len(lines[at].encode()); at += 1
-chosen = lines[: 4096 - 160] + lines[at : at + 4096]
-kept = [line for line in chosen if json.loads(line)["id"] not in probe]
+ids = lambda path: [json.loads(line)["id"] for line in path.read_text(encoding="utf-8").splitlines()]
+answered = set(ids(w / "source-prompts-answered.jsonl")) - set(Path(".gpu-data/probe-ids.txt").read_text().split())
+lines = (w / "source-raw-all.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+kept = [line for line in lines if json.loads(line)["id"] in answered]
 (w / "source-raw.jsonl").write_text("".join(kept), encoding="utf-8")
-print(f"raw rung: {len(kept)} records of the first 14,000 (split at {at}), {len(chosen) - len(kept)} probe files dropped")
+print(f"raw rung: {len(kept)} records, the prompts the generation would have answered")
 PY
     fi
-    hs extract recipes/reference/extract.yaml --set "data=[examples/data/draft_train_slice.jsonl,$W/source-raw.jsonl]" \
-      --set "store=$W/store-raw" --set executor=local > "$OUT/extract-raw.log" 2>&1 &
-    hs extract recipes/reference/extract.yaml --set "data=[$W/generated]" --set "store=$W/store-probe" \
-      --set executor=local --set model.dtype=float32 > "$OUT/extract-probe.log" 2>&1 &
+    ( hs extract recipes/reference/extract.yaml --set "data=[examples/data/draft_train_slice.jsonl,$W/source-raw.jsonl]" \
+        --set "store=$W/store-raw" --set executor=local > "$OUT/extract-raw.log" 2>&1 &&
+      timeout $(( ${TRAIN_DEADLINE:-540} - SECONDS )) python3 -m pipelines.cli train recipes/reference/train-reference-draft.yaml \
+        --set "store=$W/store-raw" --set "output_dir=$W/draft-raw" --set "max_steps=$STEPS" \
+        --set checkpoint_every=250 --set keep_checkpoints=1000 > "$OUT/train-raw.log" 2>&1 ) &
+    [ "${CEILING:-1}" = 0 ] || python3 -m benchmarks.bench_evaluate ceiling --work "$W/ceiling" --stages extract,train \
+      --train-device cuda > "$OUT/train-ceiling.log" 2>&1 &
     wait
-    tail -n 4 "$OUT"/extract-*.log
-    timeout $(( ${TRAIN_DEADLINE:-540} - SECONDS )) python3 -m pipelines.cli train recipes/reference/train-reference-draft.yaml \
-      --set "store=$W/store-raw" --set "output_dir=$W/draft-raw" --set "max_steps=$STEPS" \
-      --set checkpoint_every=250 --set keep_checkpoints=1000 > "$OUT/train-raw.log" 2>&1 &
-    [ "${CEILING:-1}" = 0 ] || python3 -m pipelines.cli train recipes/reference/train-reference-draft.yaml --set "store=$W/store-probe" \
-      --set "output_dir=$W/draft-ceiling" --set init_from=examples/reference-draft --set max_steps=450 \
-      --set optimizer.lr=1e-3 --set schedule.warmup_steps=5 --set schedule.epochs=100000 \
-      --set loader.token_budget=2048 --set log_every=1 --set checkpoint_every=450 > "$OUT/train-ceiling.log" 2>&1
-    wait
-    tail -n 3 "$OUT"/train-*.log
+    tail -n 4 "$OUT"/extract-raw.log "$OUT"/train-*.log
     names="raw ceiling"; [ "${CEILING:-1}" = 0 ] && names=raw
     for name in $names; do
-      checkpoint="$W/draft-$name/checkpoints/final"
-      [ -d "$checkpoint" ] || checkpoint=$(ls -d "$W/draft-$name"/checkpoints/step_* | sort | tail -1)
+      run="$W/draft-$name"; [ "$name" = ceiling ] && run="$W/ceiling/draft-ceiling"
+      checkpoint="$run/checkpoints/final"
+      [ -d "$checkpoint" ] || checkpoint=$(ls -d "$run"/checkpoints/step_* | sort | tail -1)
       hs export "$checkpoint" --format eagle3 --out "$W/export-$name" --overwrite
       echo "$checkpoint" > "$W/export-$name/checkpoint.txt"
-      cp "$W/draft-$name/metrics.jsonl" "$W/export-$name/"
+      cp "$run/metrics.jsonl" "$W/export-$name/"
     done
     hs info "$W/store-raw" > "$W/export-raw/store-info.txt" 2>&1
     (cd "$W" && tar czf "$OUT/drafts.tgz" $(for name in $names; do echo "export-$name"; done)) ;;

@@ -23,7 +23,8 @@ predictable from its own features. Measured here, in stages over one work folder
 4. ``train``: the shipped draft fine-tuned (``init_from``; its draft vocabulary kept) on the probe
    store for ``--train-steps`` steps of ``--token-budget`` rows (default 2,048, the extraction's
    ``max_length``: ~15 steps an epoch, ~3 s each on 2 cores); its metrics give the per-depth
-   training accuracy of each epoch (every sample once), to see it stop rising.
+   training accuracy of each epoch (every sample once), to see it stop rising. ``--train-device
+   cuda`` runs ``extract`` and ``train`` on a GPU (``tools/gpu_reference_draft.sh raw-ceiling``).
 5. ``decode``: acceptance length of the fine-tuned ("ceiling") and the shipped draft on the probe
    prompts: a chain of 5 and the tree 8/5/31 at T=0, float32, the ladder's settings
    (``benchmarks.evaluate.acceptance``). One process per draft and setting (``--drafts``,
@@ -146,7 +147,7 @@ def stage_extract(args: argparse.Namespace) -> dict[str, Any]:
         [
             "extract", "recipes/reference/extract.yaml", "--set", f"data=[{args.work / 'generated'}]",
             "--set", f"store={store}", "--set", "executor=local",
-            "--set", "model.dtype=float32", "--set", "model.device=cpu",
+            "--set", "model.dtype=float32", "--set", f"model.device={args.train_device}",
         ],
         args.work / "extract.log",
     )
@@ -199,7 +200,7 @@ def stage_train(args: argparse.Namespace) -> dict[str, Any]:
             "--set", f"optimizer.lr={args.lr}", "--set", "schedule.warmup_steps=5",
             "--set", "schedule.epochs=100000",
             "--set", f"loader.token_budget={args.token_budget}",
-            "--set", "device=cpu", "--set", "log_every=1", "--set", f"checkpoint_every={args.train_steps}",
+            "--set", f"device={args.train_device}", "--set", "log_every=1", "--set", f"checkpoint_every={args.train_steps}",
         ],
         args.work / "train.log",
     )
@@ -243,13 +244,13 @@ def draft_path(args: argparse.Namespace, name: str) -> Path:
 
 
 def drafts_to_measure(args: argparse.Namespace) -> list[str]:
-    """The drafts the accuracy stage measures: ceiling and shipped, and raw when it is given."""
+    """The drafts measured unless ``--drafts`` names others: ceiling and shipped, and raw when it is given."""
     return [name for name in DRAFTS if name != "raw" or args.raw_draft is not None]
 
 
 def stage_decode(args: argparse.Namespace) -> None:
     chosen = [s for s in T0_SETTINGS if s["name"] in args.settings.split(",")]
-    for name in args.drafts.split(","):
+    for name in args.drafts.split(",") if args.drafts else drafts_to_measure(args):
         for setting in chosen:
             start = time.perf_counter()
             lengths = acceptance_lengths(
@@ -379,13 +380,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-steps", type=int, default=450)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--token-budget", type=int, default=2048, help="tokens per row (the extraction's max_length)")
-    parser.add_argument("--drafts", default=",".join(DRAFTS), help="comma-separated drafts to decode")
+    parser.add_argument("--drafts", default=None, help="comma-separated drafts to decode (default: ceiling, shipped, "
+                        "and raw when --raw-draft is given)")
     parser.add_argument("--settings", default=",".join(s["name"] for s in T0_SETTINGS), help="comma-separated settings")
     parser.add_argument("--shipped", type=Path, default=REPO_ROOT / "examples" / "reference-draft")
     parser.add_argument("--raw-draft", type=Path, default=None, help="a draft trained on the raw records (the "
                         "ladder's raw rung), decoded beside the others: the ceiling over it is the 1.3x aim measured")
     parser.add_argument("--ceiling-draft", type=Path, default=None, help="the ceiling draft, if trained elsewhere "
                         "(default: the train stage's, WORK/draft-ceiling/checkpoints/final)")
+    parser.add_argument("--train-device", default="cpu", help="where the extract and train stages run (the answers "
+                        "and the decode stay float32 on the CPU, as the evaluation runs)")
     parser.add_argument("--target", type=Path, default=REPO_ROOT / "examples" / "reference-target")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "reference-draft.json")

@@ -72,3 +72,16 @@ def test_the_ceiling_runs_every_stage_and_merges_its_report(tmp_path: Path) -> N
     assert versus_raw["raw_on_eval"] == 2.5 and versus_raw["aim_1_3x_raw"] == 3.25
     assert {"ceiling_on_eval_estimate", "over_raw_estimate", "ceiling_on_probe_over_raw_on_eval"} <= set(versus_raw)
     assert ceiling["steps"]["generate"]["answers"] == 2 and "contexts" in ceiling["steps"]
+
+
+def test_without_a_raw_draft_the_default_drafts_leave_it_out() -> None:
+    """``--stages decode`` or ``accuracy`` without ``--raw-draft`` measures ceiling and shipped (naming
+    ``--drafts raw`` without it is an error)."""
+    import argparse
+
+    from benchmarks.evaluate import ceiling
+
+    assert ceiling.drafts_to_measure(argparse.Namespace(raw_draft=None)) == ["ceiling", "shipped"]
+    assert ceiling.drafts_to_measure(argparse.Namespace(raw_draft=Path("raw"))) == ["ceiling", "shipped", "raw"]
+    with pytest.raises(SystemExit, match="--raw-draft"):
+        ceiling.draft_path(argparse.Namespace(raw_draft=None), "raw")
