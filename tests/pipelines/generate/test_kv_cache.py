@@ -62,9 +62,11 @@ def test_each_step_writes_into_the_same_buffer() -> None:
     assert all(isinstance(layer, PreallocatedLayer) for layer in cache.layers)
     keys = [torch.randn(2, 2, 5, 8), *[torch.randn(2, 2, 1, 8) for _ in range(4)]]
     addresses = set()
+    held = []  # the views keep their buffer alive: a freed buffer's address can be handed out again
     for k in keys:
         out_k, out_v = cache.layers[0].update(k, -k)
         addresses.add(out_k.data_ptr())
+        held.append(out_k)
     assert len(addresses) == 1  # one buffer, views of its filled prefix
     torch.testing.assert_close(cache.layers[0].keys, torch.cat(keys, dim=-2))
     torch.testing.assert_close(cache.layers[0].values, -torch.cat(keys, dim=-2))
