@@ -30,6 +30,7 @@ import torch
 
 from benchmarks.common import write_results
 from pipelines.models.eagle3 import Eagle3Config, Eagle3Draft
+from pipelines.train import fp8 as fp8_module
 from pipelines.train.compile_modes import CompileMode, resolve_compile_mode
 from pipelines.train.objective import DraftObjective
 from pipelines.train.teacher import TeacherHead
@@ -100,20 +101,40 @@ class StepVariant:
     attention: str
     compile: CompileMode = CompileMode.OFF
     fp8: bool = False
+    # Which FP8 products accumulate fast (``pipelines.train.fp8.FAST_ACCUM``): ``fp8`` alone is the
+    # default (forward), ``fp8:none`` and ``fp8:all`` the two A/B ends.
+    fp8_fast_accum: str = "forward"
+    # Which linears go to FP8: ``fp8`` the default set (fc and the MLP), ``fp8all`` attention's too.
+    fp8_all_linears: bool = False
 
     @classmethod
     def parse(cls, text: str) -> StepVariant:
         attention, *flags = text.split("+")
-        mode, fp8 = CompileMode.OFF, False
+        mode, fp8, fast_accum, all_linears = CompileMode.OFF, False, "forward", False
         for flag in flags:
-            if flag == "fp8":
-                fp8 = True
+            if flag.startswith("fp8"):
+                fp8, fast_accum = True, flag.partition(":")[2] or "forward"
+                all_linears = flag.partition(":")[0] == "fp8all"
+                if fast_accum not in FP8_FAST_ACCUM_CHOICES:
+                    raise ValueError(f"{text}: fp8 accumulation {fast_accum!r} is not one of {sorted(FP8_FAST_ACCUM_CHOICES)}")
             else:  # "compile" is how variants were spelt before the modes: layers
                 mode = resolve_compile_mode("layers" if flag == "compile" else flag, torch.device("cuda"))
-        return cls(attention, mode, fp8)
+        return cls(attention, mode, fp8, fast_accum, all_linears)
 
     def __str__(self) -> str:
-        return "+".join([self.attention, str(self.compile)] + (["fp8"] if self.fp8 else []))
+        name = "fp8all" if self.fp8_all_linears else "fp8"
+        fp8 = [name + ("" if self.fp8_fast_accum == "forward" else f":{self.fp8_fast_accum}")] if self.fp8 else []
+        return "+".join([self.attention, str(self.compile)] + fp8)
+
+    def fast_accum_table(self) -> dict[str, bool]:
+        return FP8_FAST_ACCUM_CHOICES[self.fp8_fast_accum]
+
+
+FP8_FAST_ACCUM_CHOICES = {
+    "forward": {"forward": True, "grad_input": False, "grad_weight": False},
+    "none": {"forward": False, "grad_input": False, "grad_weight": False},
+    "all": {"forward": True, "grad_input": True, "grad_weight": True},
+}
 
 
 def _sync(device: torch.device) -> None:
@@ -140,6 +161,8 @@ def run_variant(args: argparse.Namespace, variant: StepVariant, device: torch.de
     cuda = device.type == "cuda"
     lm_head = lm_head.to(torch.bfloat16 if cuda else torch.float32)
     head = TeacherHead(lm_head, draft.d2t, draft.t2d)
+    fp8_module.FAST_ACCUM.update(variant.fast_accum_table())
+    fp8_module.FP8_LINEARS = fp8_module.ALL_LINEARS if variant.fp8_all_linears else fp8_module.MLP_LINEARS
     objective = DraftObjective(draft, "final_hidden", head, ttt_length=args.ttt_length, attention=variant.attention,
                                compile=variant.compile, fp8=variant.fp8)
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -193,6 +216,8 @@ def run_variant(args: argparse.Namespace, variant: StepVariant, device: torch.de
     flops = step_flops_per_token(cfg, args.ttt_length, scored_fraction) * tokens
     result = {
         "variant": str(variant), "attention": variant.attention, "compile": str(variant.compile), "fp8": variant.fp8,
+        "fp8_fast_accum": dict(fp8_module.FAST_ACCUM) if variant.fp8 else None,
+        "fp8_linears": list(fp8_module.FP8_LINEARS) if variant.fp8 else None,
         "tokens_per_step": tokens, "step_ms_median": round(1000 * step_s, 1), "tokens_per_s": round(tokens / step_s),
         "back_to_back_step_ms": round(1000 * back_to_back_s, 1),
         "back_to_back_tokens_per_s": round(tokens / back_to_back_s),

@@ -1,9 +1,11 @@
 """FP8 matmuls for the draft's linear layers while training (``TrainRecipe.fp8``).
 
-The draft's GEMMs (``fc``, attention ``q/k/v/o_proj``, MLP ``gate/up/down_proj``) run through
+The draft's large GEMMs (``fc`` and the MLP's ``gate/up/down_proj`` by default; attention's
+``q/k/v/o_proj`` too with :data:`ALL_LINEARS`) run through
 ``torch._scaled_mm`` with per-tensor dynamic scales (torchao's "tensorwise" recipe, without its
 dependency): each operand is scaled so that its absolute maximum lands on the format's largest
-finite value, cast, multiplied with float32 accumulation and rescaled on the way out.
+finite value, cast, multiplied (float32 accumulation, or Hopper's faster reduced-precision one where
+:data:`FAST_ACCUM` says) and rescaled on the way out.
 
 - forward: activations and weights in e4m3 (3 mantissa bits: precision where values are bounded);
 - backward: the incoming gradient in e5m2 (2 mantissa bits, 5 exponent bits: gradients span a
@@ -38,17 +40,29 @@ GRADIENT_FORMAT = torch.float8_e5m2
 _AMAX_FLOOR = 1e-12
 _ALIGN = 16
 
-# The draft's linear layers that go to FP8 (state-dict names; lm_head is not among them).
-FP8_LINEARS = (
-    "fc",
+# Which of the three products let Hopper's FP8 tensor cores keep their partial sums in the
+# reduced-precision accumulator (``_scaled_mm(use_fast_accum=True)``) instead of promoting them to
+# float32 every few steps of K, which costs matmul throughput. The forward's products sum over the
+# hidden size with bounded e4m3 operands; the two gradient products sum e5m2 gradients (and, for the
+# weight gradient, over every token of the step), where the lost bits matter more. torchao's
+# tensorwise recipe makes the same split. The A/B and its held-out accuracy: benchmarks/LOG.md.
+FAST_ACCUM = {"forward": True, "grad_input": False, "grad_weight": False}
+
+# The draft's linear layers FP8 can convert (state-dict names; lm_head is not among them), and the
+# ones it does by default: where it measured faster. On the H200 at the 8B shape (8,192 tokens,
+# benchmarks/investigations/profile_fp8_linear.py, compiled, forward + backward) FP8 took 0.65x
+# bf16's time for fc and the MLP's [4096 x 12288] products, but 0.87-1.26x for q/o_proj and
+# 2.7-3.3x for k/v_proj ([4096 -> 1024]): for a small output the amax and cast passes over the
+# [8192 x 4096] input cost more than the product saves.
+ATTENTION_LINEARS = (
     "midlayer.self_attn.q_proj",
     "midlayer.self_attn.k_proj",
     "midlayer.self_attn.v_proj",
     "midlayer.self_attn.o_proj",
-    "midlayer.mlp.gate_proj",
-    "midlayer.mlp.up_proj",
-    "midlayer.mlp.down_proj",
 )
+MLP_LINEARS = ("fc", "midlayer.mlp.gate_proj", "midlayer.mlp.up_proj", "midlayer.mlp.down_proj")
+ALL_LINEARS = MLP_LINEARS[:1] + ATTENTION_LINEARS + MLP_LINEARS[1:]
+FP8_LINEARS = MLP_LINEARS
 
 
 class Fp8UnsupportedError(HsstoreError, RuntimeError):
@@ -66,13 +80,15 @@ def quantize(t: torch.Tensor, fmt: torch.dtype) -> tuple[torch.Tensor, torch.Ten
     return t_fp8, scale.reciprocal()
 
 
-def scaled_mm(a8: torch.Tensor, b8: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def scaled_mm(a8: torch.Tensor, b8: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype,
+              fast_accum: bool = False) -> torch.Tensor:
     """``(a8 * scale_a) @ (b8 * scale_b)`` with float32 accumulation. On CUDA ``torch._scaled_mm``;
     elsewhere the same products by an exact upcast (every FP8 value is a float32) and a float32
     matmul: the CPU's ``_scaled_mm`` is an emulation that took ~0.9 s for a 256 x 384 x 384 product
-    on the 2-core VM, minutes for the CPU smoke of a tiny draft."""
+    on the 2-core VM, minutes for the CPU smoke of a tiny draft. ``fast_accum`` (CUDA only): see
+    :data:`FAST_ACCUM`."""
     if a8.device.type == "cuda":
-        return torch._scaled_mm(a8, b8, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+        return torch._scaled_mm(a8, b8, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum)
     # copy=True: a float32 out_dtype would otherwise return the product itself, and torch 2.11's
     # AOTAutograd traced an autograd.Function whose output aliases its own intermediate to zero
     # gradients (compile: step on the CPU; the loss's sums had the same trap, pipelines.train.loss).
@@ -97,7 +113,7 @@ class _Fp8Matmul(torch.autograd.Function):
         x8, x_inv = quantize(x_MK, FORWARD_FORMAT)
         w8, w_inv = quantize(w_NK, FORWARD_FORMAT)
         # w8 is [N, K] row-major, so its transpose is the column-major [K, N] operand wanted.
-        out = scaled_mm(x8, w8.t(), x_inv, w_inv, out_dtype)
+        out = scaled_mm(x8, w8.t(), x_inv, w_inv, out_dtype, FAST_ACCUM["forward"])
         ctx.save_for_backward(x8, x_inv, w8, w_inv)
         ctx.dtypes = (x_MK.dtype, w_NK.dtype)
         return out
@@ -109,12 +125,12 @@ class _Fp8Matmul(torch.autograd.Function):
         g8, g_inv = quantize(grad_MN, GRADIENT_FORMAT)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:  # [M, N] @ [N, K]
-            grad_x = scaled_mm(g8, _column_major(w8), g_inv, w_inv, x_dtype)
+            grad_x = scaled_mm(g8, _column_major(w8), g_inv, w_inv, x_dtype, FAST_ACCUM["grad_input"])
         if ctx.needs_input_grad[1]:  # [N, M] @ [M, K]: the token count M is the inner dimension here
             g8_NM = _pad_rows(g8, _ALIGN).t().contiguous()
             x8_MK = _column_major(_pad_rows(x8, _ALIGN))
             # float32 out: the master weights' dtype (AdamW's), summing over every token.
-            grad_w = scaled_mm(g8_NM, x8_MK, g_inv, x_inv, torch.float32).to(w_dtype)
+            grad_w = scaled_mm(g8_NM, x8_MK, g_inv, x_inv, torch.float32, FAST_ACCUM["grad_weight"]).to(w_dtype)
         return grad_x, grad_w, None
 
 
@@ -167,13 +183,13 @@ def check_fp8_support(device: torch.device) -> None:
         ) from err
 
 
-def convert_to_fp8(draft: nn.Module, device: torch.device) -> list[str]:
-    """Swap the draft's :data:`FP8_LINEARS` for :class:`Float8Linear` in place (same parameters,
-    same state-dict keys); returns the names converted. Checks the device and, on CUDA, that
+def convert_to_fp8(draft: nn.Module, device: torch.device, linears: tuple[str, ...] | None = None) -> list[str]:
+    """Swap the draft's ``linears`` (default :data:`FP8_LINEARS`, read at call time) for
+    :class:`Float8Linear` in place (same parameters, same state-dict keys); returns the names converted. Checks the device and, on CUDA, that
     every weight's dimensions are multiples of 16."""
     check_fp8_support(device)
     converted = []
-    for name in FP8_LINEARS:
+    for name in FP8_LINEARS if linears is None else linears:
         parent_name, _, child = name.rpartition(".")
         parent = draft.get_submodule(parent_name) if parent_name else draft
         layer = getattr(parent, child)

@@ -112,3 +112,16 @@ def test_idle_is_the_span_outside_the_union_of_kernel_intervals() -> None:
     assert summary["idle_ms_per_step_by_gap"] == {"<10us": 0.0, "10-100us": 0.0, "0.1-1ms": 0.0, ">=1ms": 1.1}
     assert summary["host_syncs_per_step"] == 1.0
     assert [g["before"] for g in summary["longest_gaps"]] == ["c", "b"]
+
+
+def test_step_variants_name_the_fp8_choices_and_refuse_unknown_ones() -> None:
+    from benchmarks.train.profile_step import StepVariant
+
+    for text, accum, all_linears in (("flex+graph+fp8", "forward", False), ("flex+graph+fp8:none", "none", False),
+                                     ("eager+off+fp8all:all", "all", True)):
+        variant = StepVariant.parse(text)
+        assert (variant.fp8, variant.fp8_fast_accum, variant.fp8_all_linears) == (True, accum, all_linears)
+        assert str(variant) == text
+    assert StepVariant.parse("eager+off+fp8").fast_accum_table() == {"forward": True, "grad_input": False, "grad_weight": False}
+    with pytest.raises(ValueError, match="fp8 accumulation 'some' is not one of"):
+        StepVariant.parse("flex+graph+fp8:some")

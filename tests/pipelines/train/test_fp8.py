@@ -10,7 +10,10 @@ import torch
 
 import pipelines.train.fp8 as fp8
 from pipelines.train.fp8 import (
+    ALL_LINEARS,
+    ATTENTION_LINEARS,
     FP8_LINEARS,
+    MLP_LINEARS,
     Float8Linear,
     Fp8UnsupportedError,
     convert_to_fp8,
@@ -111,6 +114,20 @@ def test_convert_swaps_the_draft_layers_but_not_lm_head_and_keeps_the_parameters
     assert list(draft.state_dict()) == keys  # checkpoints and export see the same draft
     assert all(p is params[n] for n, p in draft.named_parameters())  # the optimizer's, unchanged
     assert convert_to_fp8(draft, torch.device("cpu")) == []  # converting twice changes nothing
+
+
+def test_the_default_converts_the_large_products_and_all_linears_is_a_choice() -> None:
+    """By default fc and the MLP go to FP8 (where it measured faster); attention's projections stay
+    bf16 unless :data:`ALL_LINEARS` is asked for."""
+    assert set(FP8_LINEARS) == set(MLP_LINEARS) and not set(FP8_LINEARS) & set(ATTENTION_LINEARS)
+    draft = build_draft(tiny_draft_config())
+    convert_to_fp8(draft, torch.device("cpu"))
+    for name in ATTENTION_LINEARS:
+        assert type(draft.get_submodule(name)) is torch.nn.Linear
+    draft = build_draft(tiny_draft_config())
+    assert convert_to_fp8(draft, torch.device("cpu"), ALL_LINEARS) == list(ALL_LINEARS)
+    for name in ALL_LINEARS:
+        assert type(draft.get_submodule(name)) is Float8Linear
 
 
 def test_unsupported_devices_are_refused_with_the_reason(monkeypatch) -> None:
