@@ -58,6 +58,11 @@ CUDA_DEFAULT = CompileMode.GRAPH
 # stores of short answers to long prompts (``hsstore generate`` of "continue this file": ~23%)
 # are below.
 GRAPH_MIN_SCORED_FRACTION = 0.6
+# With ``fp8: true`` auto picks ``step`` where it would pick ``graph``: under CUDA-graph replay the
+# FP8 step re-records its graphs at every step (torch 2.11: "Re-recording function=partition_0,
+# reason=static input data pointer changed"), 306-351 ms a step at the 8B shape against ``step``'s
+# 273 ms (30,024 tokens/s, 31,704 back to back; bf16 ``step`` 27,891 / 28,921 in the same call;
+# H200, 2026-12-04, benchmarks/LOG.md).
 
 
 def resolve_compile_mode(
@@ -66,11 +71,13 @@ def resolve_compile_mode(
     world_size: int = 1,
     grad_accum_steps: int = 1,
     scored_fraction: float | None = None,
+    fp8: bool = False,
 ) -> CompileMode:
     """The recipe's ``compile`` value as a mode: ``auto`` is :data:`CUDA_DEFAULT` on CUDA (``step``
     where that is ``graph`` and the run has several processes or accumulates gradients; ``layers``
     where the store's ``scored_fraction`` of loss-masked tokens is below
-    :data:`GRAPH_MIN_SCORED_FRACTION`) and ``off`` elsewhere (the CPU CI has no compiler toolchain
+    :data:`GRAPH_MIN_SCORED_FRACTION`; ``step`` where it would be ``graph`` and ``fp8`` is on) and
+    ``off`` elsewhere (the CPU CI has no compiler toolchain
     to rely on); ``on`` (and ``True``) is ``layers``, what ``on`` meant before the other modes existed."""
     if isinstance(choice, bool):
         return CompileMode.LAYERS if choice else CompileMode.OFF
@@ -79,7 +86,7 @@ def resolve_compile_mode(
             return CompileMode.OFF
         if CUDA_DEFAULT.whole_step and scored_fraction is not None and scored_fraction < GRAPH_MIN_SCORED_FRACTION:
             return CompileMode.LAYERS
-        if CUDA_DEFAULT == CompileMode.GRAPH and (world_size > 1 or grad_accum_steps > 1):
+        if CUDA_DEFAULT == CompileMode.GRAPH and (world_size > 1 or grad_accum_steps > 1 or fp8):
             return CompileMode.STEP
         return CUDA_DEFAULT
     if choice == "on":

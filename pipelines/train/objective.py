@@ -90,7 +90,7 @@ class DraftObjective(nn.Module):
         self.ttt_length = ttt_length
         self.loss_chunk = loss_chunk
         device = draft.fc.weight.device
-        self.compile_mode = mode = resolve_compile_mode(compile, device)
+        self.compile_mode = mode = resolve_compile_mode(compile, device, fp8=fp8)
         if mode.whole_step and attention == "segmented":
             raise ValueError("attention: segmented reads each row's document bounds on the host, which a "
                              f"compiled step (compile: {mode}) cannot; use flex (CUDA) or eager")

@@ -219,12 +219,12 @@ def training_aux_layer_ids(recipe: TrainRecipe, store: hsstore.Store) -> list[in
 
 def compile_mode_for(recipe: TrainRecipe, device: torch.device, scored_fraction: float | None = None) -> CompileMode:
     """The recipe's ``compile`` resolved for this run (``auto`` depends on the device, the number
-    of processes, gradient accumulation and the store's ``scored_fraction``:
+    of processes, gradient accumulation, ``fp8`` and the store's ``scored_fraction``:
     ``pipelines.train.compile_modes``)."""
     import torch.distributed as dist
 
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    return resolve_compile_mode(recipe.compile, device, world_size, recipe.grad_accum_steps, scored_fraction)
+    return resolve_compile_mode(recipe.compile, device, world_size, recipe.grad_accum_steps, scored_fraction, recipe.fp8)
 
 
 def scored_token_fraction(store: hsstore.Store, max_shards: int = 8) -> float | None:

@@ -198,6 +198,8 @@ def test_auto_never_picks_graph_where_graph_is_refused(monkeypatch) -> None:
     assert resolve_compile_mode("auto", cuda) == CompileMode.GRAPH
     assert resolve_compile_mode("auto", cuda, world_size=2) == CompileMode.STEP
     assert resolve_compile_mode("auto", cuda, grad_accum_steps=4) == CompileMode.STEP
+    assert resolve_compile_mode("auto", cuda, fp8=True) == CompileMode.STEP  # graph replay re-records the FP8 step
+    assert resolve_compile_mode("graph", cuda, fp8=True) == CompileMode.GRAPH  # asked for, it is what is run
     assert resolve_compile_mode("graph", cuda, world_size=2) == CompileMode.GRAPH  # asked for: refused later
     monkeypatch.setattr(modes, "CUDA_DEFAULT", CompileMode.LAYERS)  # another default is kept as it is
     assert resolve_compile_mode("auto", cuda, world_size=2) == CompileMode.LAYERS
