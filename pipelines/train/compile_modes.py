@@ -60,9 +60,9 @@ CUDA_DEFAULT = CompileMode.GRAPH
 GRAPH_MIN_SCORED_FRACTION = 0.6
 # With ``fp8: true`` auto picks ``step`` where it would pick ``graph``: under CUDA-graph replay the
 # FP8 step re-records its graphs at every step (torch 2.11: "Re-recording function=partition_0,
-# reason=static input data pointer changed"), 306-351 ms a step at the 8B shape against ``step``'s
-# 273 ms (30,024 tokens/s, 31,704 back to back; bf16 ``step`` 27,891 / 28,921 in the same call;
-# H200, 2026-12-04, benchmarks/LOG.md).
+# reason=static input data pointer changed"; likely pytorch/pytorch#197438), 306-351 ms a step at
+# the 8B shape against ``step``'s 273 ms (30,024 tokens/s, 31,704 back to back; bf16 ``step``
+# 27,891 / 28,921 in the same call; H200, 2026-12-04, benchmarks/LOG.md).
 
 
 def resolve_compile_mode(
