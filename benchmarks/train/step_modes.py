@@ -48,7 +48,6 @@ import torch
 
 from benchmarks.common import REPO_ROOT, update_section, write_results
 from benchmarks.train.profile_step import StepVariant, measure_matmul_tflops, run_variant
-from pipelines.train.compile_modes import resolve_compile_mode
 
 SECTION = "train"
 GPU_VARIANTS = ["flex+layers", "flex+graph", "flex+graph+fp8", "flex+step", "flex+layers+fp8"]
@@ -203,7 +202,7 @@ def quality(args: argparse.Namespace) -> dict[str, Any]:
                                                             args.quality_token_budget, device),
                           "train_tokens": summary["tokens"], "steps": summary["steps"],
                           "final_loss": summary["final_loss"], "tokens_per_s": round(summary["tokens_per_s"]),
-                          "compile": str(resolve_compile_mode(recipe.compile, device))}
+                          "compile": summary["compile"]}  # the mode the run used (auto resolved by the trainer)
             print(name, runs[name], flush=True)
             if args.out:  # each run as it lands: a call cut short keeps the first
                 update_section(args.out, SECTION, {"heldout_quality": {**setup, "runs": runs}})
