@@ -248,7 +248,8 @@ def setup(recipe: TrainRecipe, dist_state: Distributed, device: torch.device) ->
         draft = stage.resume_model(resume_from, device)
     draft.embed_tokens.weight.requires_grad_(False)
     draft = draft.to(device)
-    check_compile_mode(compile_mode_for(recipe, device), device, dist_state.world_size, recipe.grad_accum_steps)
+    check_compile_mode(compile_mode_for(recipe, device), device, dist_state.world_size, recipe.grad_accum_steps,
+                       recipe.fp8)
     model = wrap_ddp(stage.build_objective(draft, teacher, heads, device), dist_state)
     params = [p for p in draft.parameters() if p.requires_grad]
     settings = recipe.optimizer

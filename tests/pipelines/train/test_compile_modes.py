@@ -242,6 +242,17 @@ def test_graph_mode_is_refused_where_replay_would_be_wrong() -> None:
         check_compile_mode(CompileMode.GRAPH, torch.device("cpu"), world_size=2, grad_accum_steps=4)
 
 
+def test_graph_mode_with_fp8_runs_but_says_it_re_records(caplog: pytest.LogCaptureFixture) -> None:
+    cuda = torch.device("cuda")
+    with caplog.at_level("WARNING", logger="pipelines.train.compile_modes"):
+        check_compile_mode(CompileMode.GRAPH, cuda, world_size=1, grad_accum_steps=1)
+        assert not caplog.records
+        check_compile_mode(CompileMode.STEP, cuda, world_size=1, grad_accum_steps=1, fp8=True)
+        assert not caplog.records
+        check_compile_mode(CompileMode.GRAPH, cuda, world_size=1, grad_accum_steps=1, fp8=True)
+    assert "re-records its CUDA graphs at every step" in caplog.text and "compile: auto picks step" in caplog.text
+
+
 # ---- the GPU -----------------------------------------------------------------------------------
 
 
