@@ -5,9 +5,6 @@ bare forward, the ``ray`` mode (in-process executor, no split) with issue 13's k
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,34 +27,49 @@ def test_tiny_cpu_run_compares_extraction_with_the_bare_forward(tmp_path: Path, 
     assert "| small (float32, bf16) |" in capsys.readouterr().out
 
 
-def run_tiny(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], dict]:
-    """The benchmark at a tiny size on the CPU; its process and the extract-h200.json it wrote."""
-    command = [
-        sys.executable, "-m", "benchmarks.bench_extract", "ray", "run", "--shape", "small", "--device", "cpu",
+def run_in_process(argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> str:
+    """``python -m benchmarks.bench_extract ARGV``'s ``main`` in this process (~4 s of imports and
+    Ray's version check saved a run); its steps still start ``python -m`` processes of their own,
+    which find the checkout as the driver's process did. Its stdout."""
+    from benchmarks import bench_extract
+
+    monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT))
+    capsys.readouterr()
+    assert bench_extract.main(argv) == 0
+    return capsys.readouterr().out
+
+
+def run_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+             *extra: str) -> tuple[str, dict]:
+    """The benchmark at a tiny size on the CPU; its stdout and the extract-h200.json it wrote."""
+    argv = [
+        "ray", "run", "--shape", "small", "--device", "cpu",
         "--executor", "local", "--gpus", "1", "--tokens", "1500", "--min-length", "64", "--max-length", "200",
         "--max-length-cap", "256", "--token-budget", "512", "--unit-tokens", "1024", "--disk-gib", "0.005",
         "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), *extra,
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done, json.loads((tmp_path / "out" / "extract-h200.json").read_text())
+    stdout = run_in_process(argv, capsys, monkeypatch)
+    return stdout, json.loads((tmp_path / "out" / "extract-h200.json").read_text())
 
 
 @pytest.mark.slow
-def test_tiny_cpu_run_writes_the_issue_keys(tmp_path: Path) -> None:
-    done, results = run_tiny(tmp_path)
+def test_tiny_cpu_run_writes_the_issue_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    stdout, results = run_tiny(tmp_path, capsys, monkeypatch)
     assert results["bare_tokens_per_s"] > 0 and results["disk_gb_per_s"] > 0
     assert results["ray"]["bf16"]["gpus_1"] > 0 and results["ray"]["fp8_e4m3"]["gpus_1"] > 0
     assert results["ray"]["bf16"]["gpus_2"] is None  # not run: --gpus 1
     assert results["num_tokens"] == results["bare"]["num_tokens"]  # the same batches, both sides
     assert 0 <= results["padding_fraction"] < 0.5
-    assert "| bf16-1 |" in done.stdout and "| fp8-1 |" in done.stdout
+    assert "| bf16-1 |" in stdout and "| fp8-1 |" in stdout
 
 
 @pytest.mark.slow
-def test_tiny_cpu_sequence_compares_each_run_with_the_bare_passes_beside_it(tmp_path: Path) -> None:
-    done, results = run_tiny(tmp_path, "--sequence", "bare,fp8-1,bare,fp8-1-trace", "--trace-batches", "2")
+def test_tiny_cpu_sequence_compares_each_run_with_the_bare_passes_beside_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stdout, results = run_tiny(tmp_path, capsys, monkeypatch, "--sequence", "bare,fp8-1,bare,fp8-1-trace",
+                               "--trace-batches", "2")
     assert [e["step"] for e in results["sequence"]] == ["bare", "fp8-1", "bare", "fp8-1-trace"]
     bare = [e["bare_tokens_per_s"] for e in results["sequence"] if e["step"] == "bare"]
     run = results["sequence"][1]
@@ -71,26 +83,25 @@ def test_tiny_cpu_sequence_compares_each_run_with_the_bare_passes_beside_it(tmp_
     head = summarise(load_events(traces[0]))  # bench_extract's trace mode reads it (no device on a CPU)
     assert len(head["host_batches"]) == 2 and head["device"] is False
     assert results["ray"]["fp8_e4m3"]["gpus_1"] == run["tokens_per_second"]
-    assert "| fp8-1 |" in done.stdout
+    assert "| fp8-1 |" in stdout
     assert not (tmp_path / "work" / "stores").exists()  # each run's store deleted after it
 
 
 @pytest.mark.slow
-def test_tiny_cpu_gpu_limit_run_writes_the_extract_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_tiny_cpu_gpu_limit_run_writes_the_extract_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 31's mode: bare, eager and compiled (inductor's C++ kernels: minutes on 2 cores)
     extraction, compiled vs eager on the same batches; report --write keeps the train section."""
     from benchmarks import bench_extract
 
     out = tmp_path / "out"
-    command = [
-        sys.executable, "-m", "benchmarks.bench_extract", "gpu-limit", "run", "--shape", "small", "--device", "cpu",
+    argv = [
+        "gpu-limit", "run", "--shape", "small", "--device", "cpu",
         "--executor", "local", "--tokens", "800", "--min-length", "64", "--max-length", "200", "--max-length-cap", "256",
         "--token-budget", "512", "--unit-tokens", "1024", "--planning-workers", "1", "--out", str(out),
         "--work", str(tmp_path / "work"), "--runs", "eager,compiled",  # default: the same extraction, another setting
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_in_process(argv, capsys, monkeypatch)
     measured = json.loads((out / "gpu-limit-extract.json").read_text())
     extract, runs = measured["extract"], measured["details"]["runs"]
     assert set(extract) == {"bare_hf_tokens_per_s", "eager_tokens_per_s", "compiled_tokens_per_s", "max_feature_rel_err",
@@ -104,7 +115,7 @@ def test_tiny_cpu_gpu_limit_run_writes_the_extract_keys(tmp_path: Path, capsys: 
     assert extract["first_forward_seconds"] <= extract["job_wall_seconds_1m_tokens"]
     assert not (tmp_path / "work" / "stores").exists()  # both stores deleted
 
-    # The reports in this process: a JSON merge and a table, each ~3.7 s of imports as a process.
+    # The reports in this process too: a JSON merge and a table, each ~3.7 s of imports as a process.
     results = tmp_path / "gpu-limit-h200.json"
     results.write_text(json.dumps({"train": {"all_scored_bf16_tokens_per_s": 1.0}}))
     report = ["gpu-limit", "report", str(out / "gpu-limit-extract.json"), "--write", "--results", str(results)]
