@@ -42,7 +42,8 @@ _ALIGN = 16
 
 # Which of the three products let Hopper's FP8 tensor cores keep their partial sums in the
 # reduced-precision accumulator (``_scaled_mm(use_fast_accum=True)``) instead of promoting them to
-# float32 every few steps of K, which costs matmul throughput. The forward's products sum over the
+# float32 every few steps of K, which costs matmul throughput (2-4% on the bare products at the 8B
+# shape on the H200, within noise in the compiled layers). The forward's products sum over the
 # hidden size with bounded e4m3 operands; the two gradient products sum e5m2 gradients (and, for the
 # weight gradient, over every token of the step), where the lost bits matter more. torchao's
 # tensorwise recipe makes the same split. The A/B and its held-out accuracy: benchmarks/LOG.md.
@@ -50,7 +51,7 @@ FAST_ACCUM = {"forward": True, "grad_input": False, "grad_weight": False}
 
 # The draft's linear layers FP8 can convert (state-dict names; lm_head is not among them), and the
 # ones it does by default: where it measured faster. On the H200 at the 8B shape (8,192 tokens,
-# benchmarks/investigations/profile_fp8_linear.py, compiled, forward + backward) FP8 took 0.65x
+# benchmarks/investigations/profile_fp8_linear.py, compiled, forward + backward) FP8 took 0.62-0.68x
 # bf16's time for fc and the MLP's [4096 x 12288] products, but 0.87-1.26x for q/o_proj and
 # 2.7-3.3x for k/v_proj ([4096 -> 1024]): for a small output the amax and cast passes over the
 # [8192 x 4096] input cost more than the product saves.
@@ -185,8 +186,8 @@ def check_fp8_support(device: torch.device) -> None:
 
 def convert_to_fp8(draft: nn.Module, device: torch.device, linears: tuple[str, ...] | None = None) -> list[str]:
     """Swap the draft's ``linears`` (default :data:`FP8_LINEARS`, read at call time) for
-    :class:`Float8Linear` in place (same parameters, same state-dict keys); returns the names converted. Checks the device and, on CUDA, that
-    every weight's dimensions are multiples of 16."""
+    :class:`Float8Linear` in place (same parameters, same state-dict keys); returns the names
+    converted. Checks the device and, on CUDA, that every weight's dimensions are multiples of 16."""
     check_fp8_support(device)
     converted = []
     for name in FP8_LINEARS if linears is None else linears:
