@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from benchmarks.train.profile_step import FP8_FAST_ACCUM_CHOICES as ACCUM
 from pipelines.train import fp8 as fp8_module
 
 # name: (in_features K, out_features N) at the Qwen3-8B shape (hidden 4,096, 32/8 heads of 128,
@@ -41,11 +42,6 @@ SHAPES = {
     "gate_proj": (4096, 12288),
     "up_proj": (4096, 12288),
     "down_proj": (12288, 4096),
-}
-ACCUM = {
-    "forward": {"forward": True, "grad_input": False, "grad_weight": False},
-    "none": {"forward": False, "grad_input": False, "grad_weight": False},
-    "all": {"forward": True, "grad_input": True, "grad_weight": True},
 }
 
 

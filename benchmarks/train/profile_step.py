@@ -113,8 +113,10 @@ class StepVariant:
         mode, fp8, fast_accum, all_linears = CompileMode.OFF, False, "forward", False
         for flag in flags:
             if flag.startswith("fp8"):
-                fp8, fast_accum = True, flag.partition(":")[2] or "forward"
-                all_linears = flag.partition(":")[0] == "fp8all"
+                name, _, accum = flag.partition(":")
+                if name not in ("fp8", "fp8all"):
+                    raise ValueError(f"{text}: {name!r} is not fp8 or fp8all")
+                fp8, fast_accum, all_linears = True, accum or "forward", name == "fp8all"
                 if fast_accum not in FP8_FAST_ACCUM_CHOICES:
                     raise ValueError(f"{text}: fp8 accumulation {fast_accum!r} is not one of {sorted(FP8_FAST_ACCUM_CHOICES)}")
             else:  # "compile" is how variants were spelt before the modes: layers

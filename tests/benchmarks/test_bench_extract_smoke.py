@@ -92,8 +92,6 @@ def test_tiny_cpu_gpu_limit_run_writes_the_extract_keys(tmp_path: Path, capsys: 
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 31's mode: bare, eager and compiled (inductor's C++ kernels: minutes on 2 cores)
     extraction, compiled vs eager on the same batches; report --write keeps the train section."""
-    from benchmarks import bench_extract
-
     out = tmp_path / "out"
     argv = [
         "gpu-limit", "run", "--shape", "small", "--device", "cpu",
@@ -119,9 +117,7 @@ def test_tiny_cpu_gpu_limit_run_writes_the_extract_keys(tmp_path: Path, capsys: 
     results = tmp_path / "gpu-limit-h200.json"
     results.write_text(json.dumps({"train": {"all_scored_bf16_tokens_per_s": 1.0}}))
     report = ["gpu-limit", "report", str(out / "gpu-limit-extract.json"), "--write", "--results", str(results)]
-    capsys.readouterr()
-    assert bench_extract.main(report) == 0
-    assert "| compiled / bare HF forward |" in capsys.readouterr().out
+    assert "| compiled / bare HF forward |" in run_in_process(report, capsys, monkeypatch)
     merged = json.loads(results.read_text())
     assert merged["extract"] == extract and merged["train"] == {"all_scored_bf16_tokens_per_s": 1.0}
 
@@ -131,7 +127,7 @@ def test_tiny_cpu_gpu_limit_run_writes_the_extract_keys(tmp_path: Path, capsys: 
     later["extract"]["first_forward_seconds"], later["date"] = 1.5, "later"
     (out / "later.json").write_text(json.dumps(later))
     report[2] = str(out / "later.json")
-    assert bench_extract.main(report) == 0
+    run_in_process(report, capsys, monkeypatch)
     merged = json.loads(results.read_text())
     assert merged["extract"]["compiled_tokens_per_s"] == extract["compiled_tokens_per_s"]
     assert merged["extract"]["first_forward_seconds"] == 1.5

@@ -125,3 +125,5 @@ def test_step_variants_name_the_fp8_choices_and_refuse_unknown_ones() -> None:
     assert StepVariant.parse("eager+off+fp8").fast_accum_table() == {"forward": True, "grad_input": False, "grad_weight": False}
     with pytest.raises(ValueError, match="fp8 accumulation 'some' is not one of"):
         StepVariant.parse("flex+graph+fp8:some")
+    with pytest.raises(ValueError, match="'fp8mlp' is not fp8 or fp8all"):
+        StepVariant.parse("flex+graph+fp8mlp")
