@@ -5,6 +5,8 @@
 #   DRAFT=... bash tools/gpu_session.sh evaluate  # bench_evaluate + GPU tests
 #   bash tools/gpu_session.sh extract-ray         # issue 13 + 16.3 on nvidia-h200-x2 (~8 min)
 #   bash tools/gpu_session.sh gpu-limit-extract   # issue 31 parts 1-2 on nvidia-h200 (~6-7 min)
+#   bash tools/gpu_session.sh gpu-limit-bytecode-ab  # issue 31: the job wall with and without bytecode (~8 min)
+#   bash tools/gpu_session.sh gpu-limit-planning-ab  # issue 31: the tokenizer pool's early start, A/B (~7 min)
 # The first three expect wheels for the packages the GPU image lacks in .whl/ (zarr, numcodecs,
 # pydantic, ...) and the training data gzipped at .bench/draft_train.jsonl.gz (../shared does not
 # travel); they run extraction in process (executor=local). extract-ray uses the .gpu/ bundle
@@ -15,7 +17,7 @@ stage=${1:?stage}
 OUT=${OUT:-/tmp/hsstore-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if [ "$stage" = extract-ray ] || [ "$stage" = gpu-limit-extract ]; then
+if [ "$stage" = extract-ray ] || [ "${stage#gpu-limit-}" != "$stage" ]; then
   # .gpu/ from ../shared/gpu/make-bundle.sh plus tools/gpu_bundle_extras.sh (crc32c, zarr pinned).
   bash .gpu/setup.sh || exit 1
   # --upgrade: a warm machine keeps /tmp/site from an earlier call (an older bundle's zarr).
@@ -98,8 +100,48 @@ gpu-limit-extract)
   # machine sets PYTHONDONTWRITEBYTECODE=1 and the bundle installs --no-compile, so without it every
   # process of the job compiles its modules from source (~740 in `prepare` alone, LOG 2026-12-03),
   # seconds a user's install never pays. (compileall writes despite the variable: it only stops imports.)
-  [ -z "${BYTECODE:-}" ] || { time python3 -m compileall -q -j 0 /tmp/site hsstore pipelines > /dev/null; } 2>&1 | tail -n 3
+  # Its own torch, numpy and sympy carry no .pyc either (tools/pyc_census.py), so BYTECODE compiles
+  # the environment's site-packages too (~6-10 s on 16 cores).
+  site=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
+  [ -z "${BYTECODE:-}" ] || { time python3 -m compileall -q -j 0 "$site" /tmp/site hsstore pipelines benchmarks > /dev/null; } 2>&1 | tail -n 3
   python3 -m benchmarks.bench_extract gpu-limit run --out "$OUT" ${GPU_LIMIT_ARGS:-} 2>&1 | tail -n 40
+  ;;
+gpu-limit-bytecode-ab)
+  # Issue 31's job wall with and without bytecode for what the job imports, one call (~8 min).
+  # The lent machine sets PYTHONDONTWRITEBYTECODE=1 and its torch, numpy (and the bundle) carry no
+  # .pyc at all, so every process compiles them from source at import; a user's `pip install`
+  # leaves bytecode. Runs of the default configuration (compiled in the background, in process):
+  # `source1` (after `prepare` wrote the 16 GB model: its writeback may still run), `source2` (the
+  # machine as lent), then compileall over the environment's site-packages, the bundle and the
+  # repository, and `bytecode`. The model and records are prepared once (same --work).
+  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c 'import torch, transformers, sys; print(sys.version.split()[0], torch.__version__, transformers.__version__)'; nproc; env | grep '^PYTHON' ; } | tee "$OUT/machine.txt"
+  site=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
+  python3 tools/pyc_census.py torch transformers numpy sympy scipy sklearn safetensors tokenizers ray zarr pydantic | tee "$OUT/pyc-census.txt"
+  python3 -X importtime -c 'import torch; from transformers import AutoModelForCausalLM' 2> "$OUT/importtime-source.txt"
+  for run in source1 source2; do
+    python3 -m benchmarks.bench_extract gpu-limit run --runs default --out "$OUT/$run" --deadline-s 200 ${GPU_LIMIT_ARGS:-} 2>&1 | grep -v '^ \|^{\|^}'
+    sync
+  done
+  { time python3 -m compileall -q -j 0 "$site" /tmp/site hsstore pipelines benchmarks > /dev/null; } 2>&1 | tail -n 3
+  python3 tools/pyc_census.py torch numpy sympy | tee -a "$OUT/pyc-census.txt"
+  python3 -X importtime -c 'import torch; from transformers import AutoModelForCausalLM' 2> "$OUT/importtime-bytecode.txt"
+  python3 -m benchmarks.bench_extract gpu-limit run --runs default --out "$OUT/bytecode" --deadline-s 200 ${GPU_LIMIT_ARGS:-} 2>&1 | grep -v '^ \|^{\|^}'
+  ;;
+gpu-limit-planning-ab)
+  # Issue 31's start: the tokenizer pool started early and closed without waiting (after) against
+  # the code before (before), the default run (compiled in the background, in process) alternated
+  # twice, with bytecode for the whole environment first (see gpu-limit-bytecode-ab). Expects both
+  # versions of pipelines/extract/tokenizer_pool.py in .gpu-ab/ (carried; ~7 min).
+  site=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
+  { time python3 -m compileall -q -j 0 "$site" /tmp/site hsstore pipelines benchmarks > /dev/null; } 2>&1 | tail -n 3
+  for round in 1 2; do
+    for version in after before; do
+      cp ".gpu-ab/tokenizer_pool_$version.py" pipelines/extract/tokenizer_pool.py
+      python3 -m compileall -q pipelines/extract/tokenizer_pool.py > /dev/null
+      python3 -m benchmarks.bench_extract gpu-limit run --runs default --skip-bare --out "$OUT/$version$round" --deadline-s 200 ${GPU_LIMIT_ARGS:-} 2>&1 | grep -v '^ \|^{\|^}'
+    done
+  done
+  cp .gpu-ab/tokenizer_pool_after.py pipelines/extract/tokenizer_pool.py
   ;;
 *) echo "unknown stage $stage"; exit 2 ;;
 esac

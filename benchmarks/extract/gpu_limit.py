@@ -93,7 +93,8 @@ def run(args: argparse.Namespace) -> None:
             state["runs"][name] = through_ray.extract(args, name, env=env, codec="bf16", workers=1, gpus_per_worker=gpus,
                                                       limit=None)
 
-    attempt("bare", lambda: state.update(bare=through_ray.step(args, "bare")))
+    if not args.skip_bare:
+        attempt("bare", lambda: state.update(bare=through_ray.step(args, "bare")))
     # DEFAULT before COMPILED: its compile finds the inductor cache cold. An 8B bf16 store of 1M
     # tokens is 33 GB: each is removed once measured (COMPILED's after the comparison).
     chosen = args.runs.split(",")
@@ -252,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"which extractions run (eager: {EAGER}, default: {DEFAULT}, default-hfload: {DEFAULT_HF_LOAD} "
                         f"(default's start with from_pretrained reading the weights), compiled: {COMPILED}; "
                         "the start is default's, else compiled's)")
+    parser.add_argument("--skip-bare", action="store_true",
+                        help="no bare forward (runs compared with each other only; report --write keeps the earlier bare figure)")
     parser.add_argument("--split-records", type=int, default=200, help=argparse.SUPPRESS)  # through_ray.step passes it
     args = parser.parse_args(argv)
     unknown = set(args.runs.split(",")) - set(RUN_CHOICES.values())

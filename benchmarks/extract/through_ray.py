@@ -71,15 +71,7 @@ def log(message: str) -> None:
 
 
 def prepare(args: argparse.Namespace) -> None:
-    import numpy as np
     import torch
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    try:
-        from transformers import PreTrainedTokenizerFast
-    except ImportError:  # transformers versions that name only the backend class
-        from transformers import TokenizersBackend as PreTrainedTokenizerFast
 
     from benchmarks.bench_extract import build_model
 
@@ -93,27 +85,48 @@ def prepare(args: argparse.Namespace) -> None:
         model.save_pretrained(model_dir, max_shard_size="4GB")
         vocab_size = model.config.vocab_size
         del model
-        # Specials must not be words' prefixes: a special token is matched anywhere in the text.
-        vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{f"t{i}": i for i in range(3, vocab_size)}}
-        words = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-        words.pre_tokenizer = WhitespaceSplit()
-        PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="</s>", unk_token="<unk>").save_pretrained(model_dir)
-    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        write_word_tokenizer(model_dir, vocab_size)
+    total = write_records(model_dir, work / "records.jsonl", args.tokens, args.min_length, args.max_length)
+    log(f"prepared {model_dir} and {total:,} tokens of records")
+    print(json.dumps({"num_tokens": total}))
+
+
+def write_word_tokenizer(model_dir: Path, vocab_size: int) -> None:
+    """A word-level tokenizer that maps the word ``t<id>`` to ``id`` (records are written in it)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:  # transformers versions that name only the backend class
+        from transformers import TokenizersBackend as PreTrainedTokenizerFast
+
+    # Specials must not be words' prefixes: a special token is matched anywhere in the text.
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{f"t{i}": i for i in range(3, vocab_size)}}
+    words = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="</s>", unk_token="<unk>").save_pretrained(model_dir)
+
+
+def write_records(model_dir: Path, path: Path, tokens: int, min_length: int, max_length: int) -> int:
+    """Text records of random words, ``tokens`` in all, each of min..max_length tokens; checks
+    first that the target's tokenizer maps them back to their ids. Returns the token count."""
+    import numpy as np
     from transformers import AutoTokenizer
 
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     probe = " ".join(f"t{i}" for i in (3, 100, 1000, vocab_size - 1))
     if AutoTokenizer.from_pretrained(model_dir)(probe)["input_ids"] != [3, 100, 1000, vocab_size - 1]:
         raise SystemExit(f"{model_dir}: the word-level tokenizer does not map t<id> to id")
     rng = np.random.default_rng(0)
     total = 0
-    with open(work / "records.jsonl", "w") as handle:
-        while total < args.tokens:
-            length = int(rng.integers(args.min_length, args.max_length + 1))
+    with open(path, "w") as handle:
+        while total < tokens:
+            length = int(rng.integers(min_length, max_length + 1))
             ids = rng.integers(3, vocab_size, length)
             handle.write(json.dumps({"id": f"r{total}", "text": " ".join(f"t{i}" for i in ids)}) + "\n")
             total += length
-    log(f"prepared {model_dir} and {total:,} tokens of records")
-    print(json.dumps({"num_tokens": total}))
+    return total
 
 
 def disk_gb_per_s(directory: Path, gib: float) -> float:

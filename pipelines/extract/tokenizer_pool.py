@@ -11,6 +11,7 @@ code, no store code.
 from __future__ import annotations
 
 import multiprocessing
+import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -59,7 +60,12 @@ def tokenize_block(tokenizer: SampleTokenizer, block: list[Any]) -> list[Any]:
 
 class BlockTokenizer:
     """Tokenizes blocks of records in order: the first block in this process (small inputs never
-    start a pool), later ones in ``num_workers`` processes, at most two blocks per process ahead."""
+    start a pool), later ones in ``num_workers`` processes, at most two blocks per process ahead.
+
+    The pool starts, on a thread, as soon as the first block is full (more blocks may follow), so
+    that its processes come up while that block is tokenized here: on a 16-core H200 host the fork
+    server's start and the workers' tokenizers took 3.6 s, which a job of one sort window (all of
+    it planned before its first unit) waited for in full (benchmarks/LOG.md, 2026-12-04)."""
 
     def __init__(self, tokenizer: SampleTokenizer, recipe: ExtractRecipe, tokenizer_dir: str, num_workers: int):
         self.tokenizer = tokenizer
@@ -67,6 +73,7 @@ class BlockTokenizer:
         self.tokenizer_dir = tokenizer_dir
         self.num_workers = num_workers
         self._pool: ProcessPoolExecutor | None = None
+        self._pool_lock = threading.Lock()  # the starting thread and the planner's may both ask
 
     def map(self, items: Iterable[Any]) -> Iterator[Any]:
         """``items``: blocks (lists of records) and markers; yields each block's results (a list)
@@ -77,6 +84,8 @@ class BlockTokenizer:
             if not isinstance(item, list):
                 ahead.append(item)
             elif first or self.num_workers <= 1:
+                if first and self.num_workers > 1 and len(item) >= self.recipe.planning.block_records:
+                    self._start_in_background()
                 first = False
                 ahead.append(tokenize_block(self.tokenizer, item))
             else:
@@ -86,22 +95,46 @@ class BlockTokenizer:
         while ahead:
             yield _result(ahead.popleft())
 
+    def _start_in_background(self) -> None:
+        """Every worker process started (and its tokenizer loaded) on a daemon thread; a failure
+        there surfaces where the planner submits its next block."""
+
+        def start() -> None:
+            pool = self._ensure_pool()
+            try:
+                # Each submit with no idle worker starts one more process, up to num_workers.
+                for future in [pool.submit(_ready) for _ in range(self.num_workers)]:
+                    future.exception()
+            except RuntimeError:  # planning ended (close) before every process had started
+                pass
+
+        threading.Thread(target=start, name="tokenizer-pool-start", daemon=True).start()
+
     def _ensure_pool(self) -> ProcessPoolExecutor:
-        if self._pool is None:
-            context = multiprocessing.get_context("forkserver")
-            context.set_forkserver_preload(["pipelines.extract.tokenizer_pool", tokenizer_module(self.tokenizer_dir)])
-            self._pool = ProcessPoolExecutor(
-                self.num_workers,
-                mp_context=context,
-                initializer=_init_worker,
-                initargs=(self.recipe.model_dump_json(), self.tokenizer_dir),
-            )
-        return self._pool
+        with self._pool_lock:
+            if self._pool is None:
+                context = multiprocessing.get_context("forkserver")
+                context.set_forkserver_preload(["pipelines.extract.tokenizer_pool", tokenizer_module(self.tokenizer_dir)])
+                self._pool = ProcessPoolExecutor(
+                    self.num_workers,
+                    mp_context=context,
+                    initializer=_init_worker,
+                    initargs=(self.recipe.model_dump_json(), self.tokenizer_dir),
+                )
+            return self._pool
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        """The pool shut down without waiting for its processes to exit: exiting took 5.0 s on the
+        H200 host (each worker's tokenizer and modules torn down), seconds the driver would spend
+        not handing out units; Python joins them at its own exit."""
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _ready() -> None:
+    """A task that only makes the pool start a process (and run its initializer)."""
 
 
 def _pending(item: Any) -> bool:

@@ -4,6 +4,7 @@ committed windows without tokenizing them; --dry-run plans, counts and writes no
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -125,3 +126,47 @@ def test_dry_run_counts_what_a_run_would_and_writes_nothing(
         assert planned[field] == getattr(ran, field), field
     assert planned["padding_waste"] == pytest.approx(ran.padding_waste)
     assert planned["rejected"] == {"duplicate": 1, "not_json": 2}
+
+
+def test_the_pool_starts_early_only_when_the_first_block_is_full(
+    tiny_qwen3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full first block starts the pool on a thread (more blocks may follow); a smaller input
+    never starts one. A start that planning outlives (close before every process came up) is quiet."""
+    import threading
+
+    from pipelines.extract.records import iter_records
+    from pipelines.extract.tokenizer_pool import BlockTokenizer, make_sample_tokenizer
+
+    thread_errors: list[Any] = []
+    monkeypatch.setattr(threading, "excepthook", thread_errors.append)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": f"r{n}", "text": f"x = {n}\n"} for n in range(3)])
+    recipe = make_recipe(tiny_qwen3, [data], tmp_path / "s", planning={"num_workers": 2, "block_records": 3})
+    records = list(iter_records([str(data)]))
+    tokenizer = make_sample_tokenizer(recipe, recipe.target)
+    expected = [(s.sample_id, s.input_ids.tolist()) for s in (tokenizer(record) for record in records)]
+
+    def tokens(blocks: Any) -> list[Any]:
+        return [[(s.sample_id, s.input_ids.tolist()) for s in block] for block in blocks]
+
+    small = BlockTokenizer(tokenizer, recipe, recipe.target, num_workers=2)
+    assert tokens(small.map([records[:2]])) == [expected[:2]]
+    assert small._pool is None
+    small.close()
+
+    full = BlockTokenizer(tokenizer, recipe, recipe.target, num_workers=2)
+    results = full.map(iter([records, records]))
+    assert tokens([next(results)]) == [expected]  # in this process; the second block not read yet
+    started = time.monotonic()
+    while full._pool is None and time.monotonic() - started < 30:  # the pool starting on its thread
+        time.sleep(0.01)
+    assert full._pool is not None
+    assert tokens(results) == [expected]  # in the pool
+    full.close()
+    full_only = BlockTokenizer(tokenizer, recipe, recipe.target, num_workers=2)
+    assert tokens(full_only.map([records])) == [expected]
+    full_only.close()  # may come before the starting thread's submits: they stop quietly
+    for thread in threading.enumerate():
+        if thread.name == "tokenizer-pool-start":
+            thread.join(timeout=60)
+    assert thread_errors == []
