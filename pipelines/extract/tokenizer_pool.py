@@ -74,6 +74,9 @@ class BlockTokenizer:
         self.num_workers = num_workers
         self._pool: ProcessPoolExecutor | None = None
         self._pool_lock = threading.Lock()  # the starting thread and the planner's may both ask
+        # close() calls so far: a background start that a close overtook must not open a pool
+        # nobody closes (the planner itself may map again after a close and gets a new pool).
+        self._closes = 0
 
     def map(self, items: Iterable[Any]) -> Iterator[Any]:
         """``items``: blocks (lists of records) and markers; yields each block's results (a list)
@@ -99,19 +102,23 @@ class BlockTokenizer:
         """Every worker process started (and its tokenizer loaded) on a daemon thread; a failure
         there surfaces where the planner submits its next block."""
 
+        closes = self._closes
+
         def start() -> None:
-            pool = self._ensure_pool()
             try:
+                pool = self._ensure_pool(unless_closed_since=closes)
                 # Each submit with no idle worker starts one more process, up to num_workers.
                 for future in [pool.submit(_ready) for _ in range(self.num_workers)]:
                     future.exception()
-            except RuntimeError:  # planning ended (close) before every process had started
+            except RuntimeError:  # planning ended (close) before the pool or its processes had started
                 pass
 
         threading.Thread(target=start, name="tokenizer-pool-start", daemon=True).start()
 
-    def _ensure_pool(self) -> ProcessPoolExecutor:
+    def _ensure_pool(self, unless_closed_since: int | None = None) -> ProcessPoolExecutor:
         with self._pool_lock:
+            if unless_closed_since is not None and self._closes != unless_closed_since:
+                raise RuntimeError("the tokenizer pool was closed")
             if self._pool is None:
                 context = multiprocessing.get_context("forkserver")
                 context.set_forkserver_preload(["pipelines.extract.tokenizer_pool", tokenizer_module(self.tokenizer_dir)])
@@ -129,6 +136,7 @@ class BlockTokenizer:
         not handing out units; Python joins them at its own exit."""
         with self._pool_lock:
             pool, self._pool = self._pool, None
+            self._closes += 1
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
 

@@ -166,7 +166,24 @@ def test_the_pool_starts_early_only_when_the_first_block_is_full(
     full_only = BlockTokenizer(tokenizer, recipe, recipe.target, num_workers=2)
     assert tokens(full_only.map([records])) == [expected]
     full_only.close()  # may come before the starting thread's submits: they stop quietly
+    # A start that close() overtakes (its thread runs only after the close) opens no pool.
+    late = BlockTokenizer(tokenizer, recipe, recipe.target, num_workers=2)
+    deferred: list[Any] = []
+
+    class DeferredThread:
+        def __init__(self, target: Any, **_: Any) -> None:
+            deferred.append(target)
+
+        def start(self) -> None:
+            pass
+
+    with monkeypatch.context() as patch:
+        patch.setattr(threading, "Thread", DeferredThread)
+        late._start_in_background()
+    late.close()
+    deferred[0]()
     for thread in threading.enumerate():
         if thread.name == "tokenizer-pool-start":
             thread.join(timeout=60)
+    assert full_only._pool is None and late._pool is None
     assert thread_errors == []
