@@ -30,6 +30,14 @@ export PYTHONPATH=/tmp/site:$PWD
 WORK=/tmp/hsstore-work
 mkdir -p "$WORK"
 hs() { python3 -m pipelines.cli "$@"; }
+# Bytecode for what a job imports (the environment's site-packages, the bundle, the repository), as
+# `pip install` leaves it: the lent machine forbids writing it, and its torch, numpy and sympy ship
+# none (tools/pyc_census.py), so without this every process compiles them (~6-10 s on 16 cores).
+# (compileall writes despite PYTHONDONTWRITEBYTECODE: the variable only stops imports.)
+compile_bytecode() {
+  local site
+  compile_bytecode
+}
 
 case "$stage" in
 setup-and-extract)
@@ -96,14 +104,8 @@ gpu-limit-extract)
   #   python -m benchmarks.bench_extract gpu-limit report <files_at>/gpu-limit-extract.json --write
   # GPU_LIMIT_ARGS="--tokens 600000" shortens it; no step starts after 420 s of benchmark.
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c 'import torch, transformers, sys; print(sys.version.split()[0], torch.__version__, transformers.__version__)'; nproc; df -h /tmp | tail -n 1; } | tee "$OUT/machine.txt"
-  # BYTECODE=1: give the bundle and the repository bytecode first, as `pip install` does. The lent
-  # machine sets PYTHONDONTWRITEBYTECODE=1 and the bundle installs --no-compile, so without it every
-  # process of the job compiles its modules from source (~740 in `prepare` alone, LOG 2026-12-03),
-  # seconds a user's install never pays. (compileall writes despite the variable: it only stops imports.)
-  # Its own torch, numpy and sympy carry no .pyc either (tools/pyc_census.py), so BYTECODE compiles
-  # the environment's site-packages too (~6-10 s on 16 cores).
-  site=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
-  [ -z "${BYTECODE:-}" ] || { time python3 -m compileall -q -j 0 "$site" /tmp/site hsstore pipelines benchmarks > /dev/null; } 2>&1 | tail -n 3
+  # BYTECODE=1: compile_bytecode first (above: what a user's install already has).
+  [ -z "${BYTECODE:-}" ] || compile_bytecode
   python3 -m benchmarks.bench_extract gpu-limit run --out "$OUT" ${GPU_LIMIT_ARGS:-} 2>&1 | tail -n 40
   ;;
 gpu-limit-bytecode-ab)
@@ -115,14 +117,13 @@ gpu-limit-bytecode-ab)
   # machine as lent), then compileall over the environment's site-packages, the bundle and the
   # repository, and `bytecode`. The model and records are prepared once (same --work).
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c 'import torch, transformers, sys; print(sys.version.split()[0], torch.__version__, transformers.__version__)'; nproc; env | grep '^PYTHON' ; } | tee "$OUT/machine.txt"
-  site=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
   python3 tools/pyc_census.py torch transformers numpy sympy scipy sklearn safetensors tokenizers ray zarr pydantic | tee "$OUT/pyc-census.txt"
   python3 -X importtime -c 'import torch; from transformers import AutoModelForCausalLM' 2> "$OUT/importtime-source.txt"
   for run in source1 source2; do
     python3 -m benchmarks.bench_extract gpu-limit run --runs default --out "$OUT/$run" --deadline-s 200 ${GPU_LIMIT_ARGS:-} 2>&1 | grep -v '^ \|^{\|^}'
     sync
   done
-  { time python3 -m compileall -q -j 0 "$site" /tmp/site hsstore pipelines benchmarks > /dev/null; } 2>&1 | tail -n 3
+  compile_bytecode
   python3 tools/pyc_census.py torch numpy sympy | tee -a "$OUT/pyc-census.txt"
   python3 -X importtime -c 'import torch; from transformers import AutoModelForCausalLM' 2> "$OUT/importtime-bytecode.txt"
   python3 -m benchmarks.bench_extract gpu-limit run --runs default --out "$OUT/bytecode" --deadline-s 200 ${GPU_LIMIT_ARGS:-} 2>&1 | grep -v '^ \|^{\|^}'
@@ -132,8 +133,7 @@ gpu-limit-planning-ab)
   # the code before (before), the default run (compiled in the background, in process) alternated
   # twice, with bytecode for the whole environment first (see gpu-limit-bytecode-ab). Expects both
   # versions of pipelines/extract/tokenizer_pool.py in .gpu-ab/ (carried; ~7 min).
-  site=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
-  { time python3 -m compileall -q -j 0 "$site" /tmp/site hsstore pipelines benchmarks > /dev/null; } 2>&1 | tail -n 3
+  compile_bytecode
   for round in 1 2; do
     for version in after before; do
       cp ".gpu-ab/tokenizer_pool_$version.py" pipelines/extract/tokenizer_pool.py
