@@ -24,11 +24,15 @@ import os
 import threading
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from hsstore.checksum import CRC_BYTES, crc32c_bytes
+
+# Called with a buffer's index as soon as a read has filled it (see Scatter).
+OnFilled = Callable[[int], None]
 
 
 class ReadCache:
@@ -103,17 +107,18 @@ class ReadCache:
         self._count(key, known, None if data is None else len(data))
         return data
 
-    def read_into(self, key: str, parts: list[Any]) -> bool:
+    def read_into(self, key: str, parts: list[Any], on_filled: OnFilled | None = None) -> bool:
         """Scatter the entry over ``parts`` (writable buffers whose sizes add up to the entry's):
         True on a hit. On disk the entry is read straight into them (one ``preadv``, as a local
         store reads its chunks) and its crc32c checked over them, so a hit copies nothing more;
-        a miss, or an entry that fails its check, leaves ``parts`` to be overwritten by a fetch."""
+        a miss, or an entry that fails its check, leaves ``parts`` to be overwritten by a fetch.
+        ``on_filled(i)``: as a backend's ``read_range_into`` calls it, on a hit only."""
         nbytes = sum(memoryview(part).nbytes for part in parts)
         known, data = self._touch(key)
         if self.directory is None:
             if data is None or len(data) != nbytes:
                 return False
-            scatter(data, parts)
+            scatter(data, parts, on_filled)
             return True
         stored = bytearray(CRC_BYTES)
         try:
@@ -126,6 +131,8 @@ class ReadCache:
             got = -1
         ok = got == nbytes + CRC_BYTES and crc32c_bytes(parts) == bytes(stored)
         self._count(key, known, nbytes if ok else None)
+        if ok:
+            report_filled(parts, nbytes, on_filled)
         return ok
 
     def _count(self, key: str, known: bool, size: int | None) -> None:
@@ -180,24 +187,44 @@ class ReadCache:
                     os.unlink(os.path.join(self.directory, name))
 
 
-def scatter(data: bytes | memoryview, parts: list[Any]) -> None:
-    """Copy ``data`` over the writable buffers ``parts``, one after another.
+def scatter(data: bytes | memoryview, parts: list[Any], on_filled: OnFilled | None = None) -> None:
+    """Copy ``data`` over the writable buffers ``parts``, one after another (``on_filled``: see
+    :class:`Scatter`).
 
     Through numpy, which copies without the GIL; a memoryview slice assignment holds it, and the
     loader's other read threads (a ranged GET of ~10 MB returns every few ms per thread) waited
     behind every copy."""
-    Scatter(parts).write(data)
+    Scatter(parts, on_filled).write(data)
+
+
+def report_filled(parts: list[Any], got: int, on_filled: OnFilled | None) -> None:
+    """Call ``on_filled(i)``, in order, for every buffer of ``parts`` that the first ``got`` bytes of
+    one read filled completely: what a backend that fills them all in one call (``preadv``) does."""
+    if on_filled is None:
+        return
+    end = 0
+    for i, part in enumerate(parts):
+        end += memoryview(part).nbytes
+        if end > got:
+            return
+        on_filled(i)
 
 
 class Scatter:
     """Copies the successive pieces of one byte stream over writable buffers, one after another:
     a response body lands in its final places as it arrives, whatever the pieces' sizes.
 
+    ``on_filled(i)`` is called, in order, as soon as buffer ``i`` is completely filled (a buffer of
+    no bytes when the copy reaches it), from inside :meth:`write`: the array reader checks each
+    chunk's crc32c right after its bytes were copied, while they are still in the CPU's cache,
+    rather than in a second pass over the whole body (issue 32). What it raises propagates.
+
     :attr:`received` counts every byte written, also those past the buffers' end (dropped), so a
     caller compares it with :attr:`nbytes` to find a short or long body."""
 
-    def __init__(self, parts: list[Any]):
+    def __init__(self, parts: list[Any], on_filled: OnFilled | None = None):
         self._targets = [np.frombuffer(part, dtype=np.uint8) for part in parts]  # a writable part gives a writable view
+        self._on_filled = on_filled
         self.nbytes = sum(target.nbytes for target in self._targets)
         self.received = 0
         self._index = 0  # the target being filled
@@ -207,14 +234,18 @@ class Scatter:
         source = np.frombuffer(data, dtype=np.uint8)
         self.received += source.nbytes
         at = 0
-        while at < source.nbytes and self._index < len(self._targets):
+        while self._index < len(self._targets):
             target = self._targets[self._index]
             count = min(target.nbytes - self._offset, source.nbytes - at)
-            np.copyto(target[self._offset : self._offset + count], source[at : at + count])
-            at += count
-            self._offset += count
-            if self._offset == target.nbytes:
-                self._index, self._offset = self._index + 1, 0
+            if count:
+                np.copyto(target[self._offset : self._offset + count], source[at : at + count])
+                at += count
+                self._offset += count
+            if self._offset < target.nbytes:
+                return  # this piece is used up: the rest of the target comes with the next
+            if self._on_filled is not None:
+                self._on_filled(self._index)
+            self._index, self._offset = self._index + 1, 0
 
 
 def _checked(entry: bytes) -> bytes | None:
@@ -225,4 +256,4 @@ def _checked(entry: bytes) -> bytes | None:
     return data if crc32c_bytes([data]) == entry[-CRC_BYTES:] else None
 
 
-__all__ = ["ReadCache", "Scatter", "scatter"]
+__all__ = ["OnFilled", "ReadCache", "Scatter", "report_filled", "scatter"]

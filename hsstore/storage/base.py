@@ -30,7 +30,7 @@ import posixpath
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
-from hsstore.read_cache import scatter
+from hsstore.read_cache import OnFilled, scatter
 
 HASH_BLOCK = 8 << 20
 # Reads in flight a loader keeps by default (StoreLocation.read_threads). 4 keep a local disk busy.
@@ -160,13 +160,19 @@ class StoreLocation:
         """Bytes ``[start, end)`` (fewer if the file is shorter: the caller checks)."""
         raise NotImplementedError
 
-    def read_range_into(self, key: str, offset: int, buffers: list[Any]) -> int:
+    def read_range_into(self, key: str, offset: int, buffers: list[Any], on_filled: OnFilled | None = None) -> int:
         """Fill the writable ``buffers`` one after another with the bytes from ``offset``; return
-        how many bytes were read (less than asked leaves the buffers unspecified)."""
+        how many bytes were read (less than asked leaves the buffers unspecified).
+
+        ``on_filled(i)``, if given, is called in order for each buffer ``i`` as soon as it is
+        completely filled (never for one a short read left unfilled; what it raises propagates):
+        the array reader checks each chunk while its bytes are still in the CPU's cache. A backend
+        that fills everything in one call reports each buffer after it
+        (:func:`~hsstore.read_cache.report_filled`)."""
         nbytes = sum(memoryview(b).nbytes for b in buffers)
         data = self.read_range(key, offset, offset + nbytes)
         if len(data) == nbytes:
-            scatter(data, buffers)
+            scatter(data, buffers, on_filled)
         return len(data)
 
     def file_size(self, key: str, recorded: int | None = None) -> int:

@@ -21,6 +21,7 @@ from typing import Any, BinaryIO
 
 from hsstore.errors import CommitConflictError, StoreWriteError
 from hsstore.format.layout import LOCK_NAME, SHARDS_DIR
+from hsstore.read_cache import OnFilled, report_filled
 from hsstore.storage.base import LOCAL_PREFETCH_BATCHES, LOCAL_READ_THREADS
 from hsstore.storage.fsspec_backend import FsspecBackend
 
@@ -54,12 +55,14 @@ class LocalBackend(FsspecBackend):
         finally:
             os.close(fd)
 
-    def read_range_into(self, key: str, offset: int, buffers: list[Any]) -> int:
+    def read_range_into(self, key: str, offset: int, buffers: list[Any], on_filled: OnFilled | None = None) -> int:
         fd = os.open(self.path(key), os.O_RDONLY)
         try:
-            return os.preadv(fd, buffers, offset)
+            got = os.preadv(fd, buffers, offset)
         finally:
             os.close(fd)
+        report_filled(buffers, got, on_filled)  # one syscall filled them all: report each after it
+        return got
 
     def file_size(self, key: str, recorded: int | None = None) -> int:
         return os.stat(self.path(key)).st_size  # a stat costs nothing here and sees a truncated file

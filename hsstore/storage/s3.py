@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 from hsstore.errors import CommitConflictError, botocore_responses
+from hsstore.read_cache import OnFilled
 from hsstore.storage.base import StoreLocation
 from hsstore.storage.fsspec_backend import FsspecBackend
 from hsstore.storage.s3_reads import ObstoreRangeReader, remote_range_reader
@@ -37,10 +38,10 @@ class S3Backend(FsspecBackend):
             return self._range_reader.read(self.path(key), start, end)
         return super().read_range(key, start, end)
 
-    def read_range_into(self, key: str, offset: int, buffers: list[Any]) -> int:
+    def read_range_into(self, key: str, offset: int, buffers: list[Any], on_filled: OnFilled | None = None) -> int:
         if self._range_reader is not None:
-            return self._range_reader.read_into(self.path(key), offset, buffers)
-        return super().read_range_into(key, offset, buffers)
+            return self._range_reader.read_into(self.path(key), offset, buffers, on_filled)
+        return super().read_range_into(key, offset, buffers, on_filled)
 
     def sha256(self, key: str) -> tuple[int, str]:
         """Through ranged GETs where obstore reads (s3fs's one event loop read 0.3 GB/s on 2 cores)."""

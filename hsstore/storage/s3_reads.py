@@ -41,7 +41,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from hsstore.errors import botocore_responses
-from hsstore.read_cache import Scatter
+from hsstore.read_cache import OnFilled, Scatter
 
 logger = logging.getLogger(__name__)
 
@@ -151,9 +151,11 @@ class ObstoreRangeReader:
         with _named_errors(path, start, end):
             return memoryview(obstore.get_range(self._store(bucket), key, start=start, end=end))
 
-    def read_into(self, path: str, start: int, buffers: list[Any]) -> int:
+    def read_into(self, path: str, start: int, buffers: list[Any], on_filled: OnFilled | None = None) -> int:
         """The bytes from ``start`` over the writable ``buffers``, one after another; returns how
-        many bytes came (fewer than the buffers hold: the object ended). ``self.body`` (see
+        many bytes came (fewer than the buffers hold: the object ended). ``on_filled(i)``: called
+        as the copy fills buffer ``i`` (:class:`~hsstore.read_cache.Scatter`), so with either body
+        the caller's check of each buffer follows its copy while it is in cache. ``self.body`` (see
         :data:`BODY_ENV_VAR`): ``whole`` receives the body outside the GIL and copies it once;
         ``stream`` copies it as it arrives (pieces of :data:`STREAM_PIECE_BYTES`), building no
         buffer of the whole range (that copy and the page faults of a fresh ~10 MB buffer per GET
@@ -161,18 +163,20 @@ class ObstoreRangeReader:
         piece, which many reader threads queue on (benchmarks/RESULTS.md, issue 32)."""
         import obstore
 
-        filler = Scatter(buffers)
+        filler = Scatter(buffers, on_filled)
         if not filler.nbytes:
+            filler.write(b"")  # no GET for nothing: only its empty buffers to report
             return 0
         bucket, _, key = path.partition("/")
         end = start + filler.nbytes
         with _named_errors(path, start, end):
             result = obstore.get(self._store(bucket), key, options={"range": (start, end)})
-            if self.body == "whole":
-                filler.write(memoryview(result.bytes()))
-            else:
+            body = memoryview(result.bytes()) if self.body == "whole" else None
+            if body is None:
                 for piece in result.stream(min_chunk_size=STREAM_PIECE_BYTES):
                     filler.write(piece)
+        if body is not None:  # copied outside _named_errors: what on_filled raises is no GET error
+            filler.write(body)
         return filler.received
 
 

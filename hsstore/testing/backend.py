@@ -44,11 +44,19 @@ class BackendTests:
         target = np.full(100, 7, dtype=np.uint8)
         scratch = np.zeros(30, dtype=np.uint8)
         buffers = [target[10:60], scratch, target[60:61]]
-        assert location.read_range_into("ranges.bin", 1234, buffers) == 81
+        filled: list[tuple[int, bytes]] = []  # on_filled's calls, with the buffer's bytes then
+        assert location.read_range_into("ranges.bin", 1234, buffers, lambda i: filled.append((i, bytes(buffers[i])))) == 81
         assert target[10:61].tobytes() == data[1234:1284] + data[1314:1315]
         assert scratch.tobytes() == data[1284:1314]
         assert (target[:10] == 7).all() and (target[61:] == 7).all()
+        # Each buffer reported once, in order, already holding its bytes when reported.
+        assert filled == [(0, data[1234:1284]), (1, data[1284:1314]), (2, data[1314:1315])]
         assert location.read_range_into("ranges.bin", len(data) - 20, [np.zeros(50, dtype=np.uint8)]) == 20
+        # A short read reports the buffers it filled and never the one it left short.
+        short = [np.zeros(15, dtype=np.uint8), np.zeros(15, dtype=np.uint8)]
+        reported: list[int] = []
+        assert location.read_range_into("ranges.bin", len(data) - 20, short, reported.append) == 20
+        assert reported in ([], [0])  # [0]: filled; []: a backend that drops a short body whole
 
     def test_missing_keys_are_file_not_found_naming_the_key(self, location: StoreLocation) -> None:
         named = re.escape("no-such-file.bin")

@@ -22,7 +22,8 @@ from hsstore.format.array_reader import ArrayReader
 from hsstore.format.array_writer import ArrayWriter
 from hsstore.format.chunk_layout import ChunkLayout
 from hsstore.format.chunk_layout import layout_of as layout_of_metadata
-from hsstore.storage import FsspecBackend, StoreLocation
+from hsstore.read_cache import Scatter
+from hsstore.storage import FsspecBackend, LocalBackend, StoreLocation
 
 TAIL = (3, 5)
 
@@ -146,6 +147,76 @@ def test_a_flipped_byte_is_caught_and_named(tmp_path, compression):
 def test_a_truncated_file_is_caught_and_named(tmp_path):
     reader = damaged_reader(tmp_path, "none", lambda data: data[:-40])
     with pytest.raises(ShardCorruptError, match=r"c/0/0/0: (the shard index fails its crc32c|the shard index points past)"):
+        reader.read(0, 30)
+
+
+class PiecewiseBackend(LocalBackend):
+    """A local store whose ranged reads hand the body over in small pieces through Scatter, as
+    obstore's streamed GET does (``cut``: the body ends that many bytes early; ``report``: whether
+    it passes on_filled on, as every backend must)."""
+
+    piece = 7
+    cut = 0
+    report = True
+
+    def __init__(self, url: Any, storage_options: Any = None):
+        super().__init__(url, storage_options)
+        self.pieces: list[int] = []  # where each piece written started
+
+    def read_range_into(self, key: str, offset: int, buffers: list[Any], on_filled: Any = None) -> int:
+        nbytes = sum(memoryview(b).nbytes for b in buffers)
+        body = bytes(self.read_range(key, offset, offset + nbytes - self.cut))
+        filler = Scatter(buffers, on_filled if self.report else None)
+        for at in range(0, len(body), self.piece):
+            self.pieces.append(at)
+            filler.write(body[at : at + self.piece])
+        return filler.received
+
+
+def flip_in_chunk_0(data: bytes) -> bytes:
+    flipped = bytearray(data)
+    flipped[10] ^= 0x10
+    return bytes(flipped)
+
+
+@pytest.mark.parametrize(("damage", "chunk"), [(flip_in_chunk_0, 0), (flip_a_byte, 2)])
+def test_a_chunk_is_checked_as_its_bytes_land(tmp_path, damage, chunk):
+    """Issue 32: the crc32c of a chunk is checked as soon as its last byte is copied, while it is
+    still in the CPU's cache, not in a second pass after the whole run (so the copy stops at the
+    damaged chunk, the chunks before it having passed); the message names the chunk as before."""
+    layout = damaged_reader(tmp_path, "none", damage).layout
+    backend = PiecewiseBackend(str(tmp_path))
+    with pytest.raises(ShardCorruptError, match=rf"c/0/0/0: chunk {chunk} fails its crc32c"):
+        ArrayReader(backend, "g/x", layout, 30).read(0, 30)
+    landed = (chunk + 1) * (layout.chunk_bytes + 4)  # up to the damaged chunk's crc32c
+    assert len(backend.pieces) == -(-landed // backend.piece)  # of the 6 chunks' 132 pieces
+
+
+def test_a_backend_that_reports_nothing_still_has_every_chunk_checked(tmp_path):
+    layout = damaged_reader(tmp_path, "none", flip_a_byte).layout
+    backend = PiecewiseBackend(str(tmp_path))
+    backend.report = False
+    with pytest.raises(ShardCorruptError, match=r"c/0/0/0: chunk 2 fails its crc32c"):
+        ArrayReader(backend, "g/x", layout, 30).read(0, 30)
+    rows = random_rows(30)
+    write_stream(tmp_path / "ok", rows, chunk_tokens=5, shard_tokens=None, compression="none")
+    intact = PiecewiseBackend(str(tmp_path / "ok"))
+    intact.report = False
+    np.testing.assert_array_equal(ArrayReader(intact, "g/x", layout, 30).read(3, 27), rows[3:27])
+
+
+@pytest.mark.parametrize("cut", [1, 4, 5, 160])
+def test_a_short_body_is_damage_named_by_file(tmp_path, cut):
+    """A body that ends early (inside the last chunk's crc32c, at a chunk's end, or chunks early) is
+    the same error as before the check moved into the copy: the chunks that did land pass theirs."""
+    rows = random_rows(30)
+    write_stream(tmp_path, rows, chunk_tokens=5, shard_tokens=None, compression="none")
+    layout = layout_of(zarr.open_array(str(tmp_path / "g" / "x"), mode="r"))
+    assert layout is not None
+    backend = PiecewiseBackend(str(tmp_path))
+    backend.cut = cut
+    reader = ArrayReader(backend, "g/x", layout, 30)
+    with pytest.raises(ShardCorruptError, match=rf"c/0/0/0: {924 - cut} bytes at offset 0, expected 924 \(truncated\?\)"):
         reader.read(0, 30)
 
 

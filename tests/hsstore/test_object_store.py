@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -154,11 +156,14 @@ def test_a_short_response_is_damage_named_by_file(stores: tuple[str, str], monke
         data = plain(self, key, start, end)
         return data[:-1] if "aux_hidden_states" in key and end - start > 4096 else data
 
-    def short_into(self: StoreLocation, key: str, offset: int, buffers: list[Any]) -> int:
-        # The body ends one byte early: the last buffer (a chunk's crc32c) is not filled to its end.
+    def short_into(self: StoreLocation, key: str, offset: int, buffers: list[Any], on_filled: Any = None) -> int:
+        # The body ends one byte early: the last buffer (a chunk's crc32c) is not filled to its end,
+        # so it is never reported filled (the others are, and their chunks pass their check).
         if "aux_hidden_states" in key and sum(memoryview(b).nbytes for b in buffers) > 4096:
+            last = len(buffers) - 1
             buffers = [*buffers[:-1], np.frombuffer(buffers[-1], dtype=np.uint8)[:-1]]
-        return plain_into(self, key, offset, buffers)
+            on_filled = on_filled and (lambda i, report=on_filled: None if i == last else report(i))
+        return plain_into(self, key, offset, buffers, on_filled)
 
     monkeypatch.setattr(backend, "read_range", short)
     monkeypatch.setattr(backend, "read_range_into", short_into)  # the loader's reads (streamed by obstore)
@@ -315,10 +320,12 @@ def test_read_cache_reads_a_hit_straight_into_buffers_and_checks_it(tmp_path: Pa
     key = ReadCache.key("file-sha", 0, len(data))
     cache.put(key, data)
     parts = [np.zeros(300, np.uint16), np.zeros(700, np.uint16)]
-    assert cache.read_into(key, parts)
-    assert np.concatenate(parts).tolist() == list(range(1000))
-    assert not cache.read_into(ReadCache.key("other"), [np.zeros(4, np.uint8)])  # a miss
-    assert not cache.read_into(key, [np.zeros(10, np.uint8)])  # another size: a miss, not a short read
+    reported: list[int] = []  # a hit reports each part filled, as a backend's read does
+    assert cache.read_into(key, parts, reported.append)
+    assert np.concatenate(parts).tolist() == list(range(1000)) and reported == [0, 1]
+    assert not cache.read_into(ReadCache.key("other"), [np.zeros(4, np.uint8)], reported.append)  # a miss
+    assert not cache.read_into(key, [np.zeros(10, np.uint8)], reported.append)  # another size: a miss, not a short read
+    assert reported == [0, 1]  # a miss reports nothing: the fetch that follows does
     if on_disk:  # a flipped bit: a miss (refetched), never wrong bytes
         entry = tmp_path / key
         damaged = bytearray(entry.read_bytes())
@@ -432,6 +439,51 @@ def test_obstore_asks_the_bucket_for_its_region(aws_env: Any, monkeypatch: pytes
     assert asked.config["region"] == "eu-west-1"
     given = StoreLocation(f"s3://{bucket}/store", {"client_kwargs": {"region_name": "ap-south-1"}})
     assert given._range_reader._store(bucket).config["region"] == "ap-south-1"
+
+
+@pytest.mark.parametrize("body", ["whole", "stream"])
+def test_a_chunk_from_s3_is_checked_inside_its_get_and_damage_is_named(
+    stores: tuple[str, str], monkeypatch: pytest.MonkeyPatch, body: str
+) -> None:
+    """Issue 32: each chunk's crc32c is checked as the GET's copy into the batch fills it (while its
+    bytes are in the CPU's cache), not in a pass after the whole body, with either body handling;
+    a damaged chunk is still a ShardCorruptError naming the file and the chunk."""
+    pytest.importorskip("obstore")
+    import s3fs
+
+    from hsstore.errors import ShardCorruptError
+    from hsstore.format.array_reader import ArrayReader
+    from hsstore.storage.s3_reads import ObstoreRangeReader
+
+    monkeypatch.delenv("HSSTORE_RANGE_READER", raising=False)
+    monkeypatch.setenv("HSSTORE_S3_BODY", body)
+    _, url = stores
+    in_get = threading.local()
+    checked_in_get: list[bool] = []
+    plain_into, plain_check = ObstoreRangeReader.read_into, ArrayReader._check_chunk
+
+    def read_into(self: ObstoreRangeReader, *args: Any) -> int:
+        in_get.now = True
+        try:
+            return plain_into(self, *args)
+        finally:
+            in_get.now = False
+
+    def check(self: ArrayReader, *args: Any) -> None:
+        checked_in_get.append(getattr(in_get, "now", False))
+        plain_check(self, *args)
+
+    monkeypatch.setattr(ObstoreRangeReader, "read_into", read_into)
+    monkeypatch.setattr(ArrayReader, "_check_chunk", check)
+    assert sum(b.num_real_tokens for b in hsstore.StreamingLoader(url, FEATURES, **_settings()).batches(max_epochs=1)) > 0
+    assert checked_in_get and all(checked_in_get)
+    fs = s3fs.S3FileSystem()
+    path = sorted(p for p in fs.find(url) if "/aux_hidden_states/c/" in p)[0]
+    damaged = bytearray(fs.cat_file(path))
+    damaged[10] ^= 0x10  # in the first chunk's rows
+    fs.pipe_file(path, bytes(damaged))
+    with pytest.raises(ShardCorruptError, match=rf"{re.escape(path)}: chunk 0 fails its crc32c"):
+        list(hsstore.StreamingLoader(url, FEATURES, **_settings()).batches(max_epochs=1))
 
 
 def test_a_missing_object_through_obstore_is_file_not_found_and_skippable(
