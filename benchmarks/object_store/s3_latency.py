@@ -19,7 +19,11 @@ Each repeat, interleaved:
    sent by bare obstore calls from ``--ceiling-threads`` threads, nothing done with the bytes; two
    bare clients, ``get_range`` (one buffer per GET) and a streamed body dropped piece by piece.
    The ceiling is the best median of every client and thread count, in tokens/s: the tokens the
-   loader read over the seconds the same GETs take bare.
+   loader read over the seconds the same GETs take bare. Beside it, not in it, ``get_range_copy``:
+   the same GETs each copied once into a buffer, as any reader that keeps the bytes must.
+
+Every GET call is timed (the loader's too): the median call and the mean number under way say
+whether a loader below the ceiling has slower GETs or fewer of them in flight.
 
 Summary: the loader's tokens/s (median), the ceiling, their ratio, and ``trainers_fed_per_process``
 (the loader's tokens/s over one H200 trainer's demand, 25,000 tokens/s of the Qwen3-8B shape).
@@ -40,11 +44,14 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 import hsstore
 from benchmarks.bench_object_store import FEATURES, write_store
@@ -62,34 +69,45 @@ from tests.support.s3 import MotoS3
 TRAINER_TOKENS_PER_S = 25_000
 AIM_TRAINERS = 3  # the loader reads at least three trainers' demand ...
 AIM_SHARE_OF_CEILING = 0.8  # ... and at least this share of the endpoint's bare-GET ceiling
+COPY_CLIENT = "get_range_copy"  # bare GETs plus one copy of each body: beside the ceiling, not in it
 
 _Range = tuple[str, int, int]  # (bucket/key, start, end) of one ranged GET
 
 
 @contextlib.contextmanager
-def recorded_gets() -> Iterator[list[_Range]]:
-    """Every ranged GET the obstore reader sends inside the block (both of its entry points)."""
+def recorded_gets() -> Iterator[tuple[list[_Range], list[float]]]:
+    """Every ranged GET the obstore reader sends inside the block (both of its entry points), and
+    how long each call took (the GET, and for ``read_into`` the copy and checks it runs)."""
     ranges: list[_Range] = []
+    seconds: list[float] = []
     plain_read, plain_into = ObstoreRangeReader.read, ObstoreRangeReader.read_into
 
     def read(self: ObstoreRangeReader, path: str, start: int, end: int) -> memoryview:
         ranges.append((path, start, end))
-        return plain_read(self, path, start, end)
+        began = time.perf_counter()
+        try:
+            return plain_read(self, path, start, end)
+        finally:
+            seconds.append(time.perf_counter() - began)
 
     def read_into(self: ObstoreRangeReader, path: str, start: int, buffers: list[Any], on_filled: Any = None) -> int:
         ranges.append((path, start, start + sum(memoryview(b).nbytes for b in buffers)))
-        return plain_into(self, path, start, buffers, on_filled)
+        began = time.perf_counter()
+        try:
+            return plain_into(self, path, start, buffers, on_filled)
+        finally:
+            seconds.append(time.perf_counter() - began)
 
     ObstoreRangeReader.read, ObstoreRangeReader.read_into = read, read_into  # type: ignore[method-assign]
     try:
-        yield ranges
+        yield ranges, seconds
     finally:
         ObstoreRangeReader.read, ObstoreRangeReader.read_into = plain_read, plain_into  # type: ignore[method-assign]
 
 
 def read_with_loader(url: str, settings: dict[str, Any], epochs: int) -> dict[str, Any]:
     """``epochs`` epochs from a fresh loader, timed from opening the store to the last batch."""
-    with recorded_gets() as ranges:
+    with recorded_gets() as (ranges, get_seconds):
         started = time.perf_counter()
         loader = hsstore.StreamingLoader(url, FEATURES, **settings)
         tokens = first_tokens = 0
@@ -112,16 +130,33 @@ def read_with_loader(url: str, settings: dict[str, Any], epochs: int) -> dict[st
         "buffer_sets_allocated": loader._buffers.num_allocated,  # fresh batch buffers: page faults, once per loader
         "gets": len(ranges),
         "get_bytes": sum(end - start for _, start, end in ranges),
+        # Where a loader below the ceiling loses: slower GETs (the median call), or fewer in flight
+        # (the calls' summed time over the run's: the mean number of reads under way).
+        "get_seconds_median": statistics.median(get_seconds),
+        "gets_in_flight_mean": sum(get_seconds) / seconds,
         "ranges": ranges,
     }
 
 
 def bare_clients(reader: ObstoreRangeReader) -> dict[str, Callable[[_Range], int]]:
-    """The two bare ways to GET a range, each returning the bytes received and keeping none."""
+    """The bare ways to GET a range, each returning the bytes received and keeping none, and one
+    that copies each body once into a buffer of its thread's (``get_range_copy``): what any client
+    that keeps the bytes does, the loader's one copy into the batch without its crc32c and packing.
+    Only the bare clients are the ceiling (see :func:`summarize`)."""
     import obstore
 
     def get_range(r: _Range) -> int:
         return len(reader.read(*r))
+
+    local = threading.local()
+
+    def get_range_copy(r: _Range) -> int:
+        body = np.frombuffer(reader.read(*r), dtype=np.uint8)
+        buffer = getattr(local, "buffer", None)
+        if buffer is None or buffer.nbytes < body.nbytes:
+            buffer = local.buffer = np.empty(body.nbytes, dtype=np.uint8)
+        np.copyto(buffer[: body.nbytes], body)  # without the GIL, as the loader's Scatter copies
+        return body.nbytes
 
     def streamed(r: _Range) -> int:
         path, start, end = r
@@ -129,16 +164,26 @@ def bare_clients(reader: ObstoreRangeReader) -> dict[str, Callable[[_Range], int
         result = obstore.get(reader._store(bucket), key, options={"range": (start, end)})
         return sum(len(piece) for piece in result.stream(min_chunk_size=STREAM_PIECE_BYTES))
 
-    return {"get_range": get_range, "streamed": streamed}
+    return {"get_range": get_range, "streamed": streamed, COPY_CLIENT: get_range_copy}
 
 
 def replay(read: Callable[[_Range], int], ranges: list[_Range], threads: int) -> dict[str, float]:
     """The GETs ``ranges`` from ``threads`` threads at once, in the loader's order."""
+    get_seconds: list[float] = []
+
+    def timed(r: _Range) -> int:
+        began = time.perf_counter()
+        try:
+            return read(r)
+        finally:
+            get_seconds.append(time.perf_counter() - began)
+
     started = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
-        nbytes = sum(pool.map(read, ranges))
+        nbytes = sum(pool.map(timed, ranges))
     seconds = time.perf_counter() - started
-    return {"seconds": seconds, "bytes": nbytes, "mb_per_s": nbytes / seconds / 1e6}
+    return {"seconds": seconds, "bytes": nbytes, "mb_per_s": nbytes / seconds / 1e6,
+            "get_seconds_median": statistics.median(get_seconds), "gets_in_flight_mean": sum(get_seconds) / seconds}
 
 
 def loader_variant(name: str) -> tuple[int | None, str | None]:
@@ -220,13 +265,12 @@ def main(argv: list[str] | None = None) -> int:
             s3.set_latency(args.latency_ms)
             report["setup_seconds"] = round(time.perf_counter() - started, 1)
             # Untimed: what a process pays once (imports, obstore's client, botocore's credential
-            # chain), and one whole epoch: with only the first batch untimed, the first timed loader
-            # run on the 16-core host read at ~0.3x the later ones (2026-12-05, LOG), while the
-            # ceiling, timed after it, always ran warm. The runs below each open the store afresh.
+            # chain), not per epoch; the runs below each open the store afresh. The first timed
+            # loader run of a process is still slow (on the 16-core host ~0.5x the later ones, even
+            # after an untimed epoch: LOG, 2026-12-05), so the summary's medians want >= 3 repeats.
             warmup = time.perf_counter()
-            for batch in hsstore.StreamingLoader(url, FEATURES, **base).batches(max_epochs=1):
-                batch.release()
-            report["warmup_epoch_s"] = round(time.perf_counter() - warmup, 2)
+            next(hsstore.StreamingLoader(url, FEATURES, **base).batches(max_epochs=1)).release()
+            report["warmup_first_batch_s"] = round(time.perf_counter() - warmup, 2)
             reader = ObstoreRangeReader(url, {})
             clients = bare_clients(reader)
             for repeat in range(args.repeats):
@@ -275,7 +319,8 @@ def summarize(loader_runs: dict[str, list[dict[str, Any]]], ceiling_runs: dict[s
         return float(statistics.median(run[key] for run in runs))
 
     ceilings = {name: med(runs, "tokens_per_s") for name, runs in ceiling_runs.items()}
-    best = max(ceilings, key=ceilings.__getitem__)
+    best = max((name for name in ceilings if not name.startswith(COPY_CLIENT)), key=ceilings.__getitem__)
+    copies = {name: value for name, value in ceilings.items() if name.startswith(COPY_CLIENT)}
     loaders = {
         name: {
             "tokens_per_s": round(med(runs, "tokens_per_s")),
@@ -287,6 +332,8 @@ def summarize(loader_runs: dict[str, list[dict[str, Any]]], ceiling_runs: dict[s
             "prefetch_batches": runs[0]["prefetch_batches"],
             "gets_per_run": int(med(runs, "gets")),
             "mean_get_bytes": round(med(runs, "get_bytes") / max(1, med(runs, "gets"))),
+            "get_seconds_median": round(med(runs, "get_seconds_median"), 4),
+            "gets_in_flight_mean": round(med(runs, "gets_in_flight_mean"), 1),
         }
         for name, runs in loader_runs.items()
     }
@@ -301,6 +348,11 @@ def summarize(loader_runs: dict[str, list[dict[str, Any]]], ceiling_runs: dict[s
         "aim_met": loader_tps >= AIM_TRAINERS * TRAINER_TOKENS_PER_S and loader_tps >= AIM_SHARE_OF_CEILING * ceilings[best],
         "loaders": loaders,
         "ceilings_tokens_per_s": {name: round(value) for name, value in ceilings.items()},
+        "ceiling_gets": {name: {"get_seconds_median": round(med(runs, "get_seconds_median"), 4),
+                                "gets_in_flight_mean": round(med(runs, "gets_in_flight_mean"), 1)}
+                         for name, runs in ceiling_runs.items()},
+        # The loader against bare GETs that also copy each body once (its one unavoidable pass).
+        "loader_share_of_get_and_copy": round(loader_tps / max(copies.values()), 3) if copies else None,
     }
 
 
@@ -316,11 +368,14 @@ def print_summary(report: dict[str, Any]) -> None:
               f"{row['steady_tokens_per_s']:,} | {row['first_batch_s']:.2f} | {row['gets_per_run']} | {row['mean_get_bytes'] / 1e6:.1f} |")
     for name, tps in s["ceilings_tokens_per_s"].items():
         client, threads = name.rsplit("-", 1)
-        print(f"| bare GETs, {client} | {threads} | {tps:,} | {tps / s['endpoint_ceiling_tokens_per_s']:.2f} | | | | |")
+        what = "GETs + one copy" if client == COPY_CLIENT else f"bare GETs, {client}"
+        print(f"| {what} | {threads} | {tps:,} | {tps / s['endpoint_ceiling_tokens_per_s']:.2f} | | | | |")
     print(f"\nloader {s['loader_tokens_per_s']:,} tokens/s = {s['loader_share_of_ceiling']:.2f} of the endpoint's ceiling "
           f"({s['endpoint_ceiling_tokens_per_s']:,}, {s['endpoint_ceiling_client']}); {s['trainers_fed_per_process']:.2f} trainers "
           f"of {TRAINER_TOKENS_PER_S:,} tokens/s; aim (>= {AIM_TRAINERS} trainers and >= {AIM_SHARE_OF_CEILING:.0%} of the ceiling): "
           f"{'met' if s['aim_met'] else 'not met'}")
+    if s.get("loader_share_of_get_and_copy") is not None:
+        print(f"loader = {s['loader_share_of_get_and_copy']:.2f} of the best client that copies each body once")
 
 
 def merge_cluster_keys(path: Path, report: dict[str, Any], details: str | None) -> None:

@@ -79,8 +79,17 @@ def test_s3_latency_measures_the_loader_and_the_ceiling_and_merges_the_cluster_k
         s3fs.S3FileSystem.clear_instance_cache()
     report, merged = json.loads(out.read_text()), json.loads(cluster.read_text())
     summary = report["summary"]
-    assert set(summary["ceilings_tokens_per_s"]) == {"get_range-2", "get_range-4", "streamed-2", "streamed-4"}
-    assert summary["endpoint_ceiling_tokens_per_s"] == max(summary["ceilings_tokens_per_s"].values())
+    ceilings = summary["ceilings_tokens_per_s"]
+    assert set(ceilings) == {"get_range-2", "get_range-4", "streamed-2", "streamed-4", "get_range_copy-2", "get_range_copy-4"}
+    # The ceiling is the best bare client; the one that copies each body is beside it, not in it.
+    bare_best = max(v for k, v in ceilings.items() if not k.startswith("get_range_copy"))
+    assert summary["endpoint_ceiling_tokens_per_s"] == bare_best
+    copy_best = max(ceilings["get_range_copy-2"], ceilings["get_range_copy-4"])
+    assert summary["loader_share_of_get_and_copy"] == round(summary["loader_tokens_per_s"] / copy_best, 3)
+    # Each GET's time and the reads under way, for the loader and for every bare client.
+    for row in [summary["loaders"]["default"], *summary["ceiling_gets"].values()]:
+        assert row["get_seconds_median"] > 0 and row["gets_in_flight_mean"] > 0, row
+    assert set(summary["ceiling_gets"]) == set(ceilings)
     assert summary["loaders"]["default"]["read_threads"] == 64 and summary["loaders"]["2/stream"]["read_threads"] == 2
     # The GET bodies whole by default; the variant streamed them (HSSTORE_S3_BODY, restored after).
     assert summary["loaders"]["default"]["body"] == "whole" and summary["loaders"]["2/stream"]["body"] == "stream"
