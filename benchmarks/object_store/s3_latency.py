@@ -186,13 +186,33 @@ def replay(read: Callable[[_Range], int], ranges: list[_Range], threads: int) ->
             "get_seconds_median": statistics.median(get_seconds), "gets_in_flight_mean": sum(get_seconds) / seconds}
 
 
-def loader_variant(name: str) -> tuple[int | None, str | None]:
-    """``THREADS[/BODY]`` (``default``, ``16``, ``default/stream``...): read_threads (None: the
-    loader's own) and HSSTORE_S3_BODY (None: the default)."""
-    threads, _, body = name.partition("/")
+def loader_variant(name: str) -> tuple[int | None, str | None, float | None]:
+    """``THREADS[/BODY][@MS]`` (``default``, ``16``, ``default/stream``, ``32@0.5``...): read_threads
+    (None: the loader's own), HSSTORE_S3_BODY (None: the default) and the interpreter's switch
+    interval in ms for the run (None: as it is, 5 ms unless set): issue 32's GIL lead, A/B in one run."""
+    name_body, _, switch = name.partition("@")
+    threads, _, body = name_body.partition("/")
     if body and body not in BODIES:
         raise SystemExit(f"--loader-threads {name!r}: body {body!r} is not one of {', '.join(BODIES)}")
-    return (None if threads == "default" else int(threads)), (body or None)
+    try:
+        switch_s = float(switch) / 1000 if switch else None
+    except ValueError:
+        switch_s = -1.0
+    if switch_s is not None and switch_s <= 0:
+        raise SystemExit(f"--loader-threads {name!r}: the switch interval {switch!r} is not a number of ms above 0")
+    return (None if threads == "default" else int(threads)), (body or None), switch_s
+
+
+@contextlib.contextmanager
+def switch_interval(seconds: float | None) -> Iterator[None]:
+    """``sys.setswitchinterval(seconds)`` inside the block (None: unchanged), restored after."""
+    before = sys.getswitchinterval()
+    if seconds is not None:
+        sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
 
 
 @contextlib.contextmanager
@@ -219,8 +239,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--token-budget", type=int, default=4096)
     parser.add_argument("--epochs", type=int, default=1, help="epochs per loader run")
     parser.add_argument("--loader-threads", default="default",
-                        help="loader runs, comma-separated THREADS[/BODY]: read_threads ('default': the loader's own for s3://) and "
-                             "HSSTORE_S3_BODY (whole or stream; unset: whole), e.g. default,16,default/stream; the first is the headline")
+                        help="loader runs, comma-separated THREADS[/BODY][@MS]: read_threads ('default': the loader's own for "
+                             "s3://), HSSTORE_S3_BODY (whole or stream; unset: whole) and the interpreter's switch interval in ms "
+                             "(unset: as it is), e.g. default,16,default/stream,32@0.5; the first is the headline")
     parser.add_argument("--prefetch-batches", type=int, default=None, help="override the loader's default read-ahead")
     parser.add_argument("--ceiling-threads", default="16,32,64", help="concurrent bare GETs, comma-separated")
     parser.add_argument("--repeats", type=int, default=3)
@@ -277,11 +298,12 @@ def main(argv: list[str] | None = None) -> int:
                 repeat_started = time.perf_counter()
                 names = list(variants)
                 for name in names[repeat % len(names):] + names[: repeat % len(names)]:  # each in every position
-                    threads, body = variants[name]
+                    threads, body, switch_s = variants[name]
                     settings = {**base, **({} if threads is None else {"read_threads": threads})}
                     s3.requests(reset=True)
-                    with body_handling(body):
+                    with body_handling(body), switch_interval(switch_s):
                         run = read_with_loader(url, settings, args.epochs)
+                        run["switch_interval_s"] = sys.getswitchinterval()
                     run["body"] = body or configured_body()
                     run["requests"] = s3.requests(reset=True)
                     ranges = run.pop("ranges")
@@ -334,6 +356,7 @@ def summarize(loader_runs: dict[str, list[dict[str, Any]]], ceiling_runs: dict[s
             "mean_get_bytes": round(med(runs, "get_bytes") / max(1, med(runs, "gets"))),
             "get_seconds_median": round(med(runs, "get_seconds_median"), 4),
             "gets_in_flight_mean": round(med(runs, "gets_in_flight_mean"), 1),
+            "switch_interval_s": runs[0].get("switch_interval_s"),
         }
         for name, runs in loader_runs.items()
     }

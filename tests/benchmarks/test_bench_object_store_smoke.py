@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,11 +67,12 @@ def test_s3_latency_measures_the_loader_and_the_ceiling_and_merges_the_cluster_k
     from benchmarks.object_store.s3_latency import ObstoreRangeReader
 
     plain = (ObstoreRangeReader.read, ObstoreRangeReader.read_into)
+    switch_before = sys.getswitchinterval()
     out, cluster = tmp_path / "s3-latency.json", tmp_path / "cluster.json"
     cluster.write_text(json.dumps({"nodes": 3, "node_kill": {"samples_in_store": 58}}))
     environ = dict(os.environ)
     try:
-        argv = ["--hidden", "64", "--tokens", "4096", "--repeats", "1", "--latency-ms", "5", "--loader-threads", "default,2/stream",
+        argv = ["--hidden", "64", "--tokens", "4096", "--repeats", "1", "--latency-ms", "5", "--loader-threads", "default,2/stream@0.5",
                 "--ceiling-threads", "2,4", "--out", str(out), "--cluster-json", str(cluster)]
         assert bench_object_store.main(["s3-latency", *argv]) == 0
     finally:
@@ -90,9 +92,12 @@ def test_s3_latency_measures_the_loader_and_the_ceiling_and_merges_the_cluster_k
     for row in [summary["loaders"]["default"], *summary["ceiling_gets"].values()]:
         assert row["get_seconds_median"] > 0 and row["gets_in_flight_mean"] > 0, row
     assert set(summary["ceiling_gets"]) == set(ceilings)
-    assert summary["loaders"]["default"]["read_threads"] == 64 and summary["loaders"]["2/stream"]["read_threads"] == 2
+    # The variant's switch interval held for its runs only (issue 32's GIL lead, A/B in one run).
+    assert summary["loaders"]["2/stream@0.5"]["switch_interval_s"] == 0.0005
+    assert summary["loaders"]["default"]["switch_interval_s"] == switch_before == sys.getswitchinterval()
+    assert summary["loaders"]["default"]["read_threads"] == 64 and summary["loaders"]["2/stream@0.5"]["read_threads"] == 2
     # The GET bodies whole by default; the variant streamed them (HSSTORE_S3_BODY, restored after).
-    assert summary["loaders"]["default"]["body"] == "whole" and summary["loaders"]["2/stream"]["body"] == "stream"
+    assert summary["loaders"]["default"]["body"] == "whole" and summary["loaders"]["2/stream@0.5"]["body"] == "stream"
     assert summary["loader_share_of_ceiling"] == round(summary["loader_tokens_per_s"] / summary["endpoint_ceiling_tokens_per_s"], 3)
     (run,) = report["loader_runs"]["default"]
     (bare,) = report["ceiling_runs"]["get_range-2"]
@@ -102,3 +107,14 @@ def test_s3_latency_measures_the_loader_and_the_ceiling_and_merges_the_cluster_k
     assert merged["trainers_fed_per_process"] == round(summary["loader_tokens_per_s"] / 25_000, 2)
     assert merged["s3_latency"]["details"] == "s3-latency.json"
     assert (ObstoreRangeReader.read, ObstoreRangeReader.read_into) == plain
+
+
+def test_s3_latency_loader_variants_parse_and_refuse_what_they_cannot_mean() -> None:
+    from benchmarks.object_store.s3_latency import loader_variant
+
+    assert loader_variant("default") == (None, None, None)
+    assert loader_variant("16/stream") == (16, "stream", None)
+    assert loader_variant("32@0.5") == (32, None, 0.0005)
+    for bad in ("16/sideways", "32@fast", "32@0"):
+        with pytest.raises(SystemExit, match="--loader-threads"):
+            loader_variant(bad)
