@@ -102,6 +102,8 @@ def test_s3_latency_measures_the_loader_and_the_ceiling_and_merges_the_cluster_k
     (run,) = report["loader_runs"]["default"]
     (bare,) = report["ceiling_runs"]["get_range-2"]
     assert run["get_bytes"] == bare["bytes"] > 0  # the same GETs, bare
+    # Every object read once, untimed: the shards' bytes plus the manifest and metadata files.
+    assert report["store"]["bytes"] < report["endpoint_warmup_bytes"] < 1.01 * report["store"]["bytes"]
     assert merged["nodes"] == 3 and merged["node_kill"] == {"samples_in_store": 58}
     assert merged["loader_tokens_per_s"] == summary["loader_tokens_per_s"] and merged["s3_latency_ms"] == 5
     assert merged["trainers_fed_per_process"] == round(summary["loader_tokens_per_s"] / 25_000, 2)
