@@ -76,6 +76,25 @@ COPY_CLIENT = "get_range_copy"  # bare GETs plus one copy of each body: beside t
 _Range = tuple[str, int, int]  # (bucket/key, start, end) of one ranged GET
 
 
+def timed(call: Callable[..., Any], seconds: list[float]) -> Callable[..., Any]:
+    """``call``, appending how long each of its calls took to ``seconds``."""
+
+    def timed_call(*args: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return call(*args)
+        finally:
+            seconds.append(time.perf_counter() - began)
+
+    return timed_call
+
+
+def get_timing(get_seconds: list[float], wall_seconds: float) -> dict[str, float]:
+    """Where a reader below the ceiling loses: slower GETs (the median call), or fewer in flight
+    (the calls' summed time over the run's: the mean number of GETs under way)."""
+    return {"get_seconds_median": statistics.median(get_seconds), "gets_in_flight_mean": sum(get_seconds) / wall_seconds}
+
+
 @contextlib.contextmanager
 def recorded_gets() -> Iterator[tuple[list[_Range], list[float]]]:
     """Every ranged GET the obstore reader sends inside the block (both of its entry points), and
@@ -83,22 +102,15 @@ def recorded_gets() -> Iterator[tuple[list[_Range], list[float]]]:
     ranges: list[_Range] = []
     seconds: list[float] = []
     plain_read, plain_into = ObstoreRangeReader.read, ObstoreRangeReader.read_into
+    timed_read, timed_into = timed(plain_read, seconds), timed(plain_into, seconds)
 
     def read(self: ObstoreRangeReader, path: str, start: int, end: int) -> memoryview:
         ranges.append((path, start, end))
-        began = time.perf_counter()
-        try:
-            return plain_read(self, path, start, end)
-        finally:
-            seconds.append(time.perf_counter() - began)
+        return timed_read(self, path, start, end)
 
     def read_into(self: ObstoreRangeReader, path: str, start: int, buffers: list[Any], on_filled: Any = None) -> int:
         ranges.append((path, start, start + sum(memoryview(b).nbytes for b in buffers)))
-        began = time.perf_counter()
-        try:
-            return plain_into(self, path, start, buffers, on_filled)
-        finally:
-            seconds.append(time.perf_counter() - began)
+        return timed_into(self, path, start, buffers, on_filled)
 
     ObstoreRangeReader.read, ObstoreRangeReader.read_into = read, read_into  # type: ignore[method-assign]
     try:
@@ -132,10 +144,7 @@ def read_with_loader(url: str, settings: dict[str, Any], epochs: int) -> dict[st
         "buffer_sets_allocated": loader._buffers.num_allocated,  # fresh batch buffers: page faults, once per loader
         "gets": len(ranges),
         "get_bytes": sum(end - start for _, start, end in ranges),
-        # Where a loader below the ceiling loses: slower GETs (the median call), or fewer in flight
-        # (the calls' summed time over the run's: the mean number of reads under way).
-        "get_seconds_median": statistics.median(get_seconds),
-        "gets_in_flight_mean": sum(get_seconds) / seconds,
+        **get_timing(get_seconds, seconds),
         "ranges": ranges,
     }
 
@@ -181,20 +190,11 @@ def read_every_object(read: Callable[[_Range], int], local: Path, url: str, thre
 def replay(read: Callable[[_Range], int], ranges: list[_Range], threads: int) -> dict[str, float]:
     """The GETs ``ranges`` from ``threads`` threads at once, in the loader's order."""
     get_seconds: list[float] = []
-
-    def timed(r: _Range) -> int:
-        began = time.perf_counter()
-        try:
-            return read(r)
-        finally:
-            get_seconds.append(time.perf_counter() - began)
-
     started = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
-        nbytes = sum(pool.map(timed, ranges))
+        nbytes = sum(pool.map(timed(read, get_seconds), ranges))
     seconds = time.perf_counter() - started
-    return {"seconds": seconds, "bytes": nbytes, "mb_per_s": nbytes / seconds / 1e6,
-            "get_seconds_median": statistics.median(get_seconds), "gets_in_flight_mean": sum(get_seconds) / seconds}
+    return {"seconds": seconds, "bytes": nbytes, "mb_per_s": nbytes / seconds / 1e6, **get_timing(get_seconds, seconds)}
 
 
 def loader_variant(name: str) -> tuple[int | None, str | None, float | None]:
@@ -205,12 +205,14 @@ def loader_variant(name: str) -> tuple[int | None, str | None, float | None]:
     threads, _, body = name_body.partition("/")
     if body and body not in BODIES:
         raise SystemExit(f"--loader-threads {name!r}: body {body!r} is not one of {', '.join(BODIES)}")
-    try:
-        switch_s = float(switch) / 1000 if switch else None
-    except ValueError:
-        switch_s = -1.0
-    if switch_s is not None and switch_s <= 0:
-        raise SystemExit(f"--loader-threads {name!r}: the switch interval {switch!r} is not a number of ms above 0")
+    switch_s = None
+    if switch:
+        try:
+            switch_s = float(switch) / 1000
+        except ValueError:
+            switch_s = 0.0  # refused below, with the same message
+        if switch_s <= 0:
+            raise SystemExit(f"--loader-threads {name!r}: the switch interval {switch!r} is not a number of ms above 0")
     return (None if threads == "default" else int(threads)), (body or None), switch_s
 
 

@@ -288,7 +288,8 @@ class ArrayReader:
 
         def on_filled(i: int) -> None:
             # A chunk is checked as soon as its last buffer lands, while its bytes are still in the
-            # CPU's cache: a pass over the run after the read cost 1.4-1.6x (issue 32).
+            # CPU's cache, not in a pass over the run after the read (issue 32: 1.4-1.6x in a
+            # micro-benchmark, 1.02x for the loader on 16 cores).
             nonlocal checked
             if checked < len(run) and i == last_buffer[checked]:
                 self._check_chunk(shard, run[checked], pieces[checked])
