@@ -20,7 +20,13 @@ Each repeat, interleaved:
    bare clients, ``get_range`` (one buffer per GET) and a streamed body dropped piece by piece.
    The ceiling is the best median of every client and thread count, in tokens/s: the tokens the
    loader read over the seconds the same GETs take bare. Beside it, not in it, ``get_range_copy``:
-   the same GETs each copied once into a buffer, as any reader that keeps the bytes must.
+   the same GETs each copied once into a buffer, as any reader that keeps the bytes must; and
+   ``read_into_copy``: the loader's own GET call (:meth:`ObstoreRangeReader.read_into`) into one
+   buffer, without the chunks' scatter and crc32c checks.
+
+``--endpoint-cpus N`` puts the endpoint's processes on the first N cores and this process on the
+rest (:mod:`benchmarks.object_store.cpus`); every run records this process's CPU seconds per GB and
+how busy each side's cores were.
 
 Every GET call is timed (the loader's too): the median call and the mean number under way say
 whether a loader below the ceiling has slower GETs or fewer of them in flight.
@@ -56,6 +62,7 @@ import numpy as np
 import hsstore
 from benchmarks.bench_object_store import FEATURES, write_store
 from benchmarks.common import machine_info, write_results
+from benchmarks.object_store.cpus import cpu_use, pin, process_group, split_cpus
 from hsstore.storage.s3_reads import (
     BODIES,
     BODY_ENV_VAR,
@@ -72,6 +79,10 @@ AIM_SHARE_OF_CEILING = 0.8  # ... and at least this share of the endpoint's bare
 # Whole objects at once in the warm-up pass: a shard file of the 8B shape is ~200 MB, so few.
 WARMUP_THREADS = 8
 COPY_CLIENT = "get_range_copy"  # bare GETs plus one copy of each body: beside the ceiling, not in it
+# The loader's own GET call (ObstoreRangeReader.read_into: obstore.get, the body, Scatter's copy) into
+# one buffer, no chunks, no checks: beside the ceiling too; against COPY_CLIENT it isolates the call.
+INTO_CLIENT = "read_into_copy"
+BESIDE_CEILING = (COPY_CLIENT, INTO_CLIENT)
 
 _Range = tuple[str, int, int]  # (bucket/key, start, end) of one ranged GET
 
@@ -169,13 +180,20 @@ def bare_clients(reader: ObstoreRangeReader) -> dict[str, Callable[[_Range], int
         np.copyto(buffer[: body.nbytes], body)  # without the GIL, as the loader's Scatter copies
         return body.nbytes
 
+    def read_into_copy(r: _Range) -> int:
+        path, start, end = r
+        buffer = getattr(local, "into", None)
+        if buffer is None or buffer.nbytes < end - start:
+            buffer = local.into = np.empty(end - start, dtype=np.uint8)
+        return reader.read_into(path, start, [buffer[: end - start]])
+
     def streamed(r: _Range) -> int:
         path, start, end = r
         bucket, _, key = path.partition("/")
         result = obstore.get(reader._store(bucket), key, options={"range": (start, end)})
         return sum(len(piece) for piece in result.stream(min_chunk_size=STREAM_PIECE_BYTES))
 
-    return {"get_range": get_range, "streamed": streamed, COPY_CLIENT: get_range_copy}
+    return {"get_range": get_range, "streamed": streamed, COPY_CLIENT: get_range_copy, INTO_CLIENT: read_into_copy}
 
 
 def read_every_object(read: Callable[[_Range], int], local: Path, url: str, threads: int) -> int:
@@ -255,6 +273,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="loader runs, comma-separated THREADS[/BODY][@MS]: read_threads ('default': the loader's own for "
                              "s3://), HSSTORE_S3_BODY (whole or stream; unset: whole) and the interpreter's switch interval in ms "
                              "(unset: as it is), e.g. default,16,default/stream,32@0.5; the first is the headline")
+    parser.add_argument("--endpoint-cpus", type=int, default=None,
+                        help="pin the endpoint's processes to the first N cores and this process to the rest "
+                             "(unset: both share every core); each run records how busy each side was")
     parser.add_argument("--prefetch-batches", type=int, default=None, help="override the loader's default read-ahead")
     parser.add_argument("--ceiling-threads", default="16,32,64", help="concurrent bare GETs, comma-separated")
     parser.add_argument("--repeats", type=int, default=3)
@@ -284,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {**base, "hidden": args.hidden, "epochs": args.epochs, "endpoint_processes": args.endpoint_processes,
                      "features": "aux [3, H] + final [H], bf16, default chunks"},
     }
+    own_cpus = os.sched_getaffinity(0)  # given back at the end (--endpoint-cpus narrows them)
     loader_runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     ceiling_runs: dict[str, list[dict[str, float]]] = {}
     try:
@@ -297,6 +319,12 @@ def main(argv: list[str] | None = None) -> int:
             s3.load(local, url)
             s3.freeze()
             s3.set_latency(args.latency_ms)
+            sides = {"all": sorted(os.sched_getaffinity(0))}
+            if args.endpoint_cpus:  # the endpoint on cores of its own, as a real store is (cpus.py)
+                sides = dict(zip(("endpoint", "client"), split_cpus(args.endpoint_cpus), strict=True))
+                report["pinned_threads"] = {"endpoint": pin(process_group(s3.process.pid), sides["endpoint"]),
+                                            "client": pin([os.getpid()], sides["client"])}
+            report["cpus"] = sides
             report["setup_seconds"] = round(time.perf_counter() - started, 1)
             reader = ObstoreRangeReader(url, {})
             clients = bare_clients(reader)
@@ -319,9 +347,10 @@ def main(argv: list[str] | None = None) -> int:
                     threads, body, switch_s = variants[name]
                     settings = {**base, **({} if threads is None else {"read_threads": threads})}
                     s3.requests(reset=True)
-                    with body_handling(body), switch_interval(switch_s):
+                    with body_handling(body), switch_interval(switch_s), cpu_use(sides) as cpu:
                         run = read_with_loader(url, settings, args.epochs)
                         run["switch_interval_s"] = sys.getswitchinterval()
+                    run["cpu"] = cpu
                     run["body"] = body or configured_body()
                     run["requests"] = s3.requests(reset=True)
                     ranges = run.pop("ranges")
@@ -331,7 +360,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"repeat {repeat}: loader ({name}) {run['tokens_per_s']:,.0f} tokens/s", flush=True)
                 for client, read in clients.items():
                     for threads in ceiling_threads:
-                        bare = replay(read, replayed, threads)
+                        with cpu_use(sides) as cpu:
+                            bare = replay(read, replayed, threads)
+                        bare["cpu"] = cpu
                         bare["tokens_per_s"] = tokens / bare["seconds"]
                         ceiling_runs.setdefault(f"{client}-{threads}", []).append(bare)
                 print(f"repeat {repeat}: ceiling " + ", ".join(f"{k} {v[-1]['tokens_per_s']:,.0f}" for k, v in ceiling_runs.items()), flush=True)
@@ -340,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
                     report["stopped_early"] = f"after {repeat + 1} repeats: another would end past --deadline-s {args.deadline_s:g}"
                     break
     finally:
+        pin([os.getpid()], sorted(own_cpus))
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
     report["loader_runs"] = loader_runs
@@ -359,7 +391,7 @@ def summarize(loader_runs: dict[str, list[dict[str, Any]]], ceiling_runs: dict[s
         return float(statistics.median(run[key] for run in runs))
 
     ceilings = {name: med(runs, "tokens_per_s") for name, runs in ceiling_runs.items()}
-    best = max((name for name in ceilings if not name.startswith(COPY_CLIENT)), key=ceilings.__getitem__)
+    best = max((name for name in ceilings if not name.startswith(BESIDE_CEILING)), key=ceilings.__getitem__)
     copies = {name: value for name, value in ceilings.items() if name.startswith(COPY_CLIENT)}
     loaders = {
         name: {
@@ -375,6 +407,7 @@ def summarize(loader_runs: dict[str, list[dict[str, Any]]], ceiling_runs: dict[s
             "get_seconds_median": round(med(runs, "get_seconds_median"), 4),
             "gets_in_flight_mean": round(med(runs, "gets_in_flight_mean"), 1),
             "switch_interval_s": runs[0].get("switch_interval_s"),
+            **cpu_summary(runs),
         }
         for name, runs in loader_runs.items()
     }
@@ -390,10 +423,22 @@ def summarize(loader_runs: dict[str, list[dict[str, Any]]], ceiling_runs: dict[s
         "loaders": loaders,
         "ceilings_tokens_per_s": {name: round(value) for name, value in ceilings.items()},
         "ceiling_gets": {name: {"get_seconds_median": round(med(runs, "get_seconds_median"), 4),
-                                "gets_in_flight_mean": round(med(runs, "gets_in_flight_mean"), 1)}
+                                "gets_in_flight_mean": round(med(runs, "gets_in_flight_mean"), 1), **cpu_summary(runs)}
                          for name, runs in ceiling_runs.items()},
         # The loader against bare GETs that also copy each body once (its one unavoidable pass).
         "loader_share_of_get_and_copy": round(loader_tps / max(copies.values()), 3) if copies else None,
+    }
+
+
+def cpu_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over ``runs`` of this process's CPU seconds per GB read and of each side's cores' busy share."""
+    runs = [run for run in runs if "cpu" in run]
+    if not runs:
+        return {}
+    gb = [run.get("get_bytes", run.get("bytes", 0)) / 1e9 for run in runs]
+    return {
+        "process_cpu_s_per_gb": round(statistics.median(run["cpu"]["process_cpu_s"] / max(g, 1e-9) for run, g in zip(runs, gb, strict=True)), 3),
+        "busy": {side: statistics.median(run["cpu"]["busy"][side] or 0.0 for run in runs) for side in runs[0]["cpu"]["busy"]},
     }
 
 
@@ -409,8 +454,12 @@ def print_summary(report: dict[str, Any]) -> None:
               f"{row['steady_tokens_per_s']:,} | {row['first_batch_s']:.2f} | {row['gets_per_run']} | {row['mean_get_bytes'] / 1e6:.1f} |")
     for name, tps in s["ceilings_tokens_per_s"].items():
         client, threads = name.rsplit("-", 1)
-        what = "GETs + one copy" if client == COPY_CLIENT else f"bare GETs, {client}"
+        what = {COPY_CLIENT: "GETs + one copy", INTO_CLIENT: "the loader's GET call, one buffer"}.get(client, f"bare GETs, {client}")
         print(f"| {what} | {threads} | {tps:,} | {tps / s['endpoint_ceiling_tokens_per_s']:.2f} | | | | |")
+    for name, row in [*((f"loader ({n})", r) for n, r in s["loaders"].items()), *s["ceiling_gets"].items()]:
+        if "busy" in row:
+            busy = ", ".join(f"{side} {share:.0%}" for side, share in row["busy"].items())
+            print(f"cpu: {name}: {row['process_cpu_s_per_gb']:.2f} s of this process per GB; cores busy: {busy}")
     print(f"\nloader {s['loader_tokens_per_s']:,} tokens/s = {s['loader_share_of_ceiling']:.2f} of the endpoint's ceiling "
           f"({s['endpoint_ceiling_tokens_per_s']:,}, {s['endpoint_ceiling_client']}); {s['trainers_fed_per_process']:.2f} trainers "
           f"of {TRAINER_TOKENS_PER_S:,} tokens/s; aim (>= {AIM_TRAINERS} trainers and >= {AIM_SHARE_OF_CEILING:.0%} of the ceiling): "

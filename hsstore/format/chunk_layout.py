@@ -13,6 +13,7 @@ sees); anything else is read through zarr-python.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +39,9 @@ class ChunkLayout:
 
     @property
     def row_bytes(self) -> int:
-        return int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+        # math.prod, not np.prod: the readers ask for this a few times per chunk read, and np.prod of
+        # a tuple (~5 us) was half of a ranged read's Python time, taken under the GIL (issue 32).
+        return math.prod(self.row_shape) * self.dtype.itemsize
 
     @property
     def chunk_bytes(self) -> int:

@@ -71,9 +71,11 @@ def test_s3_latency_measures_the_loader_and_the_ceiling_and_merges_the_cluster_k
     out, cluster = tmp_path / "s3-latency.json", tmp_path / "cluster.json"
     cluster.write_text(json.dumps({"nodes": 3, "node_kill": {"samples_in_store": 58}}))
     environ = dict(os.environ)
+    own_cpus = os.sched_getaffinity(0)
+    pinned = ["--endpoint-cpus", "1"] if len(own_cpus) >= 2 else []
     try:
         argv = ["--hidden", "64", "--tokens", "4096", "--repeats", "1", "--latency-ms", "5", "--loader-threads", "default,2/stream@0.5",
-                "--ceiling-threads", "2,4", "--out", str(out), "--cluster-json", str(cluster)]
+                "--ceiling-threads", "2,4", "--out", str(out), "--cluster-json", str(cluster), *pinned]
         assert bench_object_store.main(["s3-latency", *argv]) == 0
     finally:
         os.environ.clear()
@@ -82,9 +84,9 @@ def test_s3_latency_measures_the_loader_and_the_ceiling_and_merges_the_cluster_k
     report, merged = json.loads(out.read_text()), json.loads(cluster.read_text())
     summary = report["summary"]
     ceilings = summary["ceilings_tokens_per_s"]
-    assert set(ceilings) == {"get_range-2", "get_range-4", "streamed-2", "streamed-4", "get_range_copy-2", "get_range_copy-4"}
-    # The ceiling is the best bare client; the one that copies each body is beside it, not in it.
-    bare_best = max(v for k, v in ceilings.items() if not k.startswith("get_range_copy"))
+    assert set(ceilings) == {f"{client}-{n}" for client in ("get_range", "streamed", "get_range_copy", "read_into_copy") for n in (2, 4)}
+    # The ceiling is the best bare client; those that copy each body are beside it, not in it.
+    bare_best = max(v for k, v in ceilings.items() if not k.startswith(("get_range_copy", "read_into_copy")))
     assert summary["endpoint_ceiling_tokens_per_s"] == bare_best
     copy_best = max(ceilings["get_range_copy-2"], ceilings["get_range_copy-4"])
     assert summary["loader_share_of_get_and_copy"] == round(summary["loader_tokens_per_s"] / copy_best, 3)
@@ -109,6 +111,15 @@ def test_s3_latency_measures_the_loader_and_the_ceiling_and_merges_the_cluster_k
     assert merged["trainers_fed_per_process"] == round(summary["loader_tokens_per_s"] / 25_000, 2)
     assert merged["s3_latency"]["details"] == "s3-latency.json"
     assert (ObstoreRangeReader.read, ObstoreRangeReader.read_into) == plain
+    # Each run's CPU: this process's seconds per GB and each side's cores' busy share; with
+    # --endpoint-cpus the endpoint on the first core, this process on the rest, and its cores
+    # given back at the end.
+    sides = {"endpoint", "client"} if pinned else {"all"}
+    assert set(report["cpus"]) == sides and os.sched_getaffinity(0) == own_cpus
+    if pinned:
+        assert report["cpus"]["endpoint"] == [min(own_cpus)] and report["pinned_threads"]["endpoint"] >= 1
+    for row in [summary["loaders"]["default"], *summary["ceiling_gets"].values()]:
+        assert row["process_cpu_s_per_gb"] > 0 and set(row["busy"]) == sides, row
 
 
 def test_s3_latency_loader_variants_parse_and_refuse_what_they_cannot_mean() -> None:
