@@ -228,6 +228,9 @@ class ArrayReader:
         row = layout.row_bytes
         offset = int(index[run[0], 0])
         nbytes = int(index[run[-1], 0]) + int(index[run[-1], 1]) - offset
+        if layout.compression == "none" and self.cache is None and self.location.bodies_arrive_whole:
+            self._read_run_from_body(shard, run, start, stop, dest, dest_start, offset, nbytes)
+            return
         if layout.compression == "none":
             self._read_run_into(shard, run, start, stop, dest, dest_start, offset, nbytes)
             return
@@ -251,6 +254,25 @@ class ArrayReader:
                     target[:] = whole[(lo - chunk_first) * row : (hi - chunk_first) * row]
             except (RuntimeError, ValueError) as err:  # what numcodecs raises on a bad frame
                 raise self._corrupt(shard, f"chunk {chunk} does not decompress ({err})") from err
+
+    def _read_run_from_body(
+        self, shard: int, run: list[int], start: int, stop: int, dest: np.ndarray, dest_start: int, offset: int, nbytes: int
+    ) -> None:
+        """Uncompressed chunks ``run`` from one response body (where bodies arrive whole: a GET):
+        each chunk's crc32c checked in the body, then its rows inside the range copied into place
+        while they are still in the CPU's cache. Checking the body before the one copy, instead of
+        scattering it and checking the copy, took 15-17% less CPU per GB on the VM (issue 32)."""
+        layout = self.layout
+        row, size = layout.row_bytes, layout.chunk_bytes + CRC_BYTES
+        data = self._read_bytes(shard, offset, nbytes)  # a short body raises
+        assert data is not None
+        body = np.frombuffer(data, dtype=np.uint8)
+        for i, chunk in enumerate(run):  # chunks of a run follow one another, each of the same size
+            payload = body[i * size : i * size + layout.chunk_bytes]
+            self._check_chunk(shard, chunk, [payload, body[i * size + layout.chunk_bytes : (i + 1) * size]])
+            lo, hi = self._clip(shard, chunk, start, stop)
+            skip = (lo - layout.first_row(shard, chunk)) * row
+            np.copyto(dest[(lo - dest_start) * row : (hi - dest_start) * row], payload[skip : skip + (hi - lo) * row])
 
     def _read_run_into(
         self, shard: int, run: list[int], start: int, stop: int, dest: np.ndarray, dest_start: int, offset: int, nbytes: int

@@ -132,6 +132,16 @@ class StoreLocation:
     range_reader: str = "fsspec"
 
     @property
+    def bodies_arrive_whole(self) -> bool:
+        """Whether :meth:`read_range` hands back a body the backend builds anyway (an HTTP response)
+        that :meth:`read_range_into` would only copy from, as this class's does. A reader may then
+        take the body and copy from it itself: the array reader checks each chunk's crc32c in the
+        body and then copies it, which costs less than copying first and checking the copy (issue
+        32). False where ``read_range_into`` fills the buffers without a body (local ``preadv``, a
+        GET streamed in pieces)."""
+        return True
+
+    @property
     def local_directory(self) -> str | None:
         """The store's folder on this machine's file system, if it is on one."""
         return None

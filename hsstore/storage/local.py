@@ -42,6 +42,10 @@ class LocalBackend(FsspecBackend):
     def local_directory(self) -> str | None:
         return self.root
 
+    @property
+    def bodies_arrive_whole(self) -> bool:
+        return False  # preadv reads straight into the caller's buffers: no body to copy from
+
     # -- reading: straight from the file ------------------------------------------------------
 
     def read_bytes(self, key: str, size: int | None = None) -> bytes:

@@ -33,6 +33,10 @@ class S3Backend(FsspecBackend):
     def _open_range_reader(self) -> ObstoreRangeReader | None:
         return remote_range_reader(self.url, self.storage_options, on_s3=True, fs=self.fs)
 
+    @property
+    def bodies_arrive_whole(self) -> bool:
+        return self._range_reader is None or self._range_reader.body == "whole"  # not a streamed GET
+
     def read_range(self, key: str, start: int, end: int) -> bytes | memoryview:
         if self._range_reader is not None:
             return self._range_reader.read(self.path(key), start, end)

@@ -442,12 +442,13 @@ def test_obstore_asks_the_bucket_for_its_region(aws_env: Any, monkeypatch: pytes
 
 
 @pytest.mark.parametrize("body", ["whole", "stream"])
-def test_a_chunk_from_s3_is_checked_inside_its_get_and_damage_is_named(
+def test_a_chunk_from_s3_is_checked_before_or_as_it_is_copied_and_damage_is_named(
     stores: tuple[str, str], monkeypatch: pytest.MonkeyPatch, body: str
 ) -> None:
-    """Issue 32: each chunk's crc32c is checked as the GET's copy into the batch fills it (while its
-    bytes are in the CPU's cache), not in a pass after the whole body, with either body handling;
-    a damaged chunk is still a ShardCorruptError naming the file and the chunk."""
+    """Issue 32: a whole GET body is taken by the array reader (``read``), which checks each chunk's
+    crc32c in the body and then copies it; a streamed one is checked as the GET's copy into the
+    batch fills each chunk (``read_into``). Either way no pass over the whole body after it, and a
+    damaged chunk is a ShardCorruptError naming the file and the chunk."""
     pytest.importorskip("obstore")
     import s3fs
 
@@ -476,7 +477,7 @@ def test_a_chunk_from_s3_is_checked_inside_its_get_and_damage_is_named(
     monkeypatch.setattr(ObstoreRangeReader, "read_into", read_into)
     monkeypatch.setattr(ArrayReader, "_check_chunk", check)
     assert sum(b.num_real_tokens for b in hsstore.StreamingLoader(url, FEATURES, **_settings()).batches(max_epochs=1)) > 0
-    assert checked_in_get and all(checked_in_get)
+    assert checked_in_get and all(checked_in_get) == (body == "stream") and any(checked_in_get) == (body == "stream")
     fs = s3fs.S3FileSystem()
     path = sorted(p for p in fs.find(url) if "/aux_hidden_states/c/" in p)[0]
     damaged = bytearray(fs.cat_file(path))
