@@ -6,6 +6,8 @@ pipeline, and copies each chunk three times (bytes, decoded chunk, output array)
 about one sample per request. :class:`ArrayReader` caches each file's index (files are immutable
 once committed) and reads a token range with one ``preadv`` straight into the destination (the
 loader's batch buffer), checking every chunk's crc32c on the way: one copy, one syscall per range.
+Where a read is an HTTP response that arrives whole (``StoreLocation.bodies_arrive_whole``), each
+chunk is checked in the body and then copied into place: still one copy.
 Layouts it does not know (:func:`hsstore.format.chunk_layout.layout_of` says None) are read through
 zarr-python by the store instead.
 
@@ -260,8 +262,10 @@ class ArrayReader:
     ) -> None:
         """Uncompressed chunks ``run`` from one response body (where bodies arrive whole: a GET):
         each chunk's crc32c checked in the body, then its rows inside the range copied into place
-        while they are still in the CPU's cache. Checking the body before the one copy, instead of
-        scattering it and checking the copy, took 15-17% less CPU per GB on the VM (issue 32)."""
+        while they are still in the CPU's cache. Against scattering the body over the batch and
+        checking the copy (:meth:`_read_run_into`): on the VM 5-14% less CPU per GB through
+        ``read_token_range`` (15-17% for the copy and checks alone), and on the 16-core host the
+        loader read 1.05x the tokens/s from S3 at 20 ms (benchmarks/LOG.md, issue 32)."""
         layout = self.layout
         row, size = layout.row_bytes, layout.chunk_bytes + CRC_BYTES
         data = self._read_bytes(shard, offset, nbytes)  # a short body raises

@@ -7,8 +7,9 @@ commits, obstore for the loader's ranged reads.
   merges and tries again. The read itself is ETag-pinned (HEAD, then GET with ``If-Match``), so
   bytes and ETag always agree.
 * Reads of shard bytes go through obstore where it is installed and every storage option maps onto
-  it (:mod:`hsstore.storage.s3_reads`: the HTTP work outside the GIL, the loader's GETs streamed
-  into its batch buffers as they arrive); s3fs's one event loop parses every body in Python. Files are hashed through the same ranged reads.
+  it (:mod:`hsstore.storage.s3_reads`: the HTTP work outside the GIL, each body received whole and
+  checked chunk by chunk by the array reader as it copies it into the batch); s3fs's one event loop
+  parses every body in Python. Files are hashed through the same ranged reads.
 """
 
 from __future__ import annotations

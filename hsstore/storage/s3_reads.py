@@ -57,7 +57,8 @@ CREDENTIALS_TTL = timedelta(minutes=5)
 # per-piece Python work is small against the copy, small enough to stay in the CPU's cache.
 STREAM_PIECE_BYTES = 1 << 20
 # How the loader's GET bodies reach the batch (``HSSTORE_S3_BODY``, read when a reader is built):
-# ``whole``: the body received by obstore outside the GIL, then one copy into place; ``stream``:
+# ``whole``: the body received by obstore outside the GIL; the array reader takes it (``read``,
+# ``S3Backend.bodies_arrive_whole``), checks each chunk in it and copies it into place; ``stream``:
 # copied piece by piece as it arrives (no whole-range buffer, ~15% less CPU per GB, but one GIL
 # round trip per piece). On the 16-core GPU host at 20 ms, 32 bare GETs in flight moved 261k
 # tokens/s whole against 135k streamed (benchmarks/RESULTS.md, issue 32): ``whole`` by default.
