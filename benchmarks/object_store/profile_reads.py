@@ -5,9 +5,9 @@ through obstore, ``--repeats`` times per ``read_threads`` value, with the local 
 same value after each series (the baseline of the same run). Each S3 epoch reports tokens/s (whole
 epoch, and past its first batch) and the thread time summed over the read threads in the three
 things a read thread does per ranged GET: the GET itself (``S3Backend.read_range`` and
-``read_range_into``), the copy into the batch (``hsstore.read_cache.Scatter.write``: since issue 32
-the body is copied piece by piece as it streams in, so this is part of the GET's time) and the
-crc32c of every chunk. The phases are timed by wrapping those functions in this process (a few
+``read_range_into``), the copy into the batch (``hsstore.format.array_reader.copy_rows`` where the
+body arrives whole and is checked before its copy, ``hsstore.read_cache.Scatter.write`` where it is
+streamed into place, inside the GET's time) and the crc32c of every chunk. The phases are timed by wrapping those functions in this process (a few
 microseconds per call; the GETs are ~10 MB each, the pieces 1 MiB).
 
     python -m benchmarks.bench_object_store profile-reads --threads 8,16,32 --endpoint-processes 8 --tokens 98304
@@ -72,10 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     phases = PhaseTimes()
-    plain = (Scatter.write, array_reader.crc32c_bytes, S3Backend.read_range, S3Backend.read_range_into)
-    # The copy of a GET's body into the batch, piece by piece as it streams in (read_cache.Scatter,
-    # within the GET's time: obstore's read_into), or of a whole body (StoreLocation.read_range_into).
+    plain = (Scatter.write, array_reader.copy_rows, array_reader.crc32c_bytes, S3Backend.read_range, S3Backend.read_range_into)
+    # The copy into the batch: a streamed body piece by piece as it arrives (read_cache.Scatter,
+    # within the GET's time: obstore's read_into), or a whole body's chunks once each is checked.
     Scatter.write = phases.wrap("copy", Scatter.write)  # type: ignore[method-assign]
+    array_reader.copy_rows = phases.wrap("copy", array_reader.copy_rows)  # a whole body's chunks, once checked
     array_reader.crc32c_bytes = phases.wrap("crc32c", array_reader.crc32c_bytes)  # type: ignore[assignment]
     S3Backend.read_range = phases.wrap("get", S3Backend.read_range)  # type: ignore[method-assign]
     S3Backend.read_range_into = phases.wrap("get", S3Backend.read_range_into)  # type: ignore[method-assign]
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                 series["local"].append(epoch)
                 print(f"{name} local:      {epoch['tokens_per_s']:>9,.0f} tokens/s, past the first batch {epoch['steady_tokens_per_s']:>9,.0f}", flush=True)
     finally:
-        Scatter.write, array_reader.crc32c_bytes, S3Backend.read_range, S3Backend.read_range_into = plain  # type: ignore[method-assign]
+        Scatter.write, array_reader.copy_rows, array_reader.crc32c_bytes, S3Backend.read_range, S3Backend.read_range_into = plain  # type: ignore[method-assign]
         shutil.rmtree(workdir, ignore_errors=True)
     if args.out:
         write_results(args.out, report)
