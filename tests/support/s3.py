@@ -44,6 +44,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -158,11 +159,20 @@ def _load_folder(folder: Path, bucket: str, prefix: str) -> dict[str, int]:
     if bucket not in backend.buckets:
         backend.create_bucket(bucket, DUMMY_KEYS["AWS_DEFAULT_REGION"])
     files = nbytes = 0
+    keys = []
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         key = "/".join(part for part in (prefix, path.relative_to(folder).as_posix()) if part)
         data = path.read_bytes()
-        backend.put_object(bucket, key, data)
+        keys.append(backend.put_object(bucket, key, data))
         files, nbytes = files + 1, nbytes + len(data)
+    # moto computes an object's ETag (the md5 of all of it) at its first GET and keeps it in the
+    # process: after a freeze each forked process computed it again at its first read of each
+    # object, ~0.4 s per 200 MB shard file, so a benchmark's first timed run after a freeze paid
+    # it (8 processes on the 16-core hosts: the first loader run read at a third of the later
+    # ones; LOG, 2026-12-05). Computed here, before any fork, on every core (hashlib releases the
+    # GIL), every process inherits them.
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        list(pool.map(lambda key: key.etag, keys))
     return {"files": files, "bytes": nbytes}
 
 

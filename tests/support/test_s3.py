@@ -4,6 +4,7 @@ together; and a write after the freeze is refused with a message that says why."
 
 from __future__ import annotations
 
+import hashlib
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -138,6 +139,10 @@ def test_a_folder_loaded_server_side_reads_as_uploaded_and_the_latency_changes_f
         s3.freeze()
         with pytest.raises(RuntimeError, match=r"load\(\) before freeze\(\)"):
             s3.load(local, "s3://loaded/again")
+        fs.invalidate_cache()
+        for name in files:  # the ETags (computed by load, before the fork) are each file's md5, as S3's
+            etag = fs.info(f"loaded/deep/store/{name}")["ETag"].strip('"')
+            assert etag == hashlib.md5((local / name).read_bytes()).hexdigest()
 
         def list_buckets() -> float:
             started = time.perf_counter()
