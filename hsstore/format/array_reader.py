@@ -236,11 +236,11 @@ class ArrayReader:
         row = layout.row_bytes
         offset = int(index[run[0], 0])
         nbytes = int(index[run[-1], 0]) + int(index[run[-1], 1]) - offset
-        if layout.compression == "none" and self.cache is None and self.location.bodies_arrive_whole:
-            self._read_run_from_body(shard, run, start, stop, dest, dest_start, offset, nbytes)
-            return
         if layout.compression == "none":
-            self._read_run_into(shard, run, start, stop, dest, dest_start, offset, nbytes)
+            # A body that arrives whole is checked and copied from (a cache hit reads into place).
+            from_body = self.cache is None and self.location.bodies_arrive_whole
+            read_run = self._read_run_from_body if from_body else self._read_run_into
+            read_run(shard, run, start, stop, dest, dest_start, offset, nbytes)
             return
         data = self._read_bytes(shard, offset, nbytes)
         assert data is not None
