@@ -229,18 +229,23 @@ class ArrayReader:
     def _flush_run(
         self, shard: int, run: list[int], index: np.ndarray, start: int, stop: int, dest: np.ndarray, dest_start: int
     ) -> None:
-        """Read chunks ``run`` (contiguous in the file) and put their rows inside the range in place."""
+        """Read chunks ``run`` (contiguous in the file) and put their rows inside the range in place.
+
+        Uncompressed chunks are read straight into place (:meth:`_read_run_into`) unless the read
+        is a response body that arrives whole (``StoreLocation.bodies_arrive_whole``, no cache):
+        then, as compressed chunks are, each is checked in the body and its rows copied from it
+        while they are still in the CPU's cache. Against scattering such a body over the batch and
+        checking the copy: on the VM 5-14% less CPU per GB through ``read_token_range`` (15-17% for
+        the copy and checks alone), and on the 16-core host the loader read 1.05x the tokens/s
+        from S3 at 20 ms (benchmarks/LOG.md, issue 32)."""
         if not run:
             return
         layout = self.layout
         row = layout.row_bytes
         offset = int(index[run[0], 0])
         nbytes = int(index[run[-1], 0]) + int(index[run[-1], 1]) - offset
-        if layout.compression == "none":
-            # A body that arrives whole is checked and copied from (a cache hit reads into place).
-            from_body = self.cache is None and self.location.bodies_arrive_whole
-            read_run = self._read_run_from_body if from_body else self._read_run_into
-            read_run(shard, run, start, stop, dest, dest_start, offset, nbytes)
+        if layout.compression == "none" and not (self.cache is None and self.location.bodies_arrive_whole):
+            self._read_run_into(shard, run, start, stop, dest, dest_start, offset, nbytes)
             return
         data = self._read_bytes(shard, offset, nbytes)
         assert data is not None
@@ -253,6 +258,9 @@ class ArrayReader:
             lo, hi = self._clip(shard, chunk, start, stop)
             chunk_first = layout.first_row(shard, chunk)
             target = dest[(lo - dest_start) * row : (hi - dest_start) * row]
+            if layout.compression == "none":
+                copy_rows(target, payload[(lo - chunk_first) * row : (hi - chunk_first) * row])
+                continue
             try:
                 if hi - lo == layout.chunk_tokens:
                     self._decompressor.decode(payload, out=target)
@@ -262,27 +270,6 @@ class ArrayReader:
                     target[:] = whole[(lo - chunk_first) * row : (hi - chunk_first) * row]
             except (RuntimeError, ValueError) as err:  # what numcodecs raises on a bad frame
                 raise self._corrupt(shard, f"chunk {chunk} does not decompress ({err})") from err
-
-    def _read_run_from_body(
-        self, shard: int, run: list[int], start: int, stop: int, dest: np.ndarray, dest_start: int, offset: int, nbytes: int
-    ) -> None:
-        """Uncompressed chunks ``run`` from one response body (where bodies arrive whole: a GET):
-        each chunk's crc32c checked in the body, then its rows inside the range copied into place
-        while they are still in the CPU's cache. Against scattering the body over the batch and
-        checking the copy (:meth:`_read_run_into`): on the VM 5-14% less CPU per GB through
-        ``read_token_range`` (15-17% for the copy and checks alone), and on the 16-core host the
-        loader read 1.05x the tokens/s from S3 at 20 ms (benchmarks/LOG.md, issue 32)."""
-        layout = self.layout
-        row, size = layout.row_bytes, layout.chunk_bytes + CRC_BYTES
-        data = self._read_bytes(shard, offset, nbytes)  # a short body raises
-        assert data is not None
-        body = np.frombuffer(data, dtype=np.uint8)
-        for i, chunk in enumerate(run):  # chunks of a run follow one another, each of the same size
-            payload = body[i * size : i * size + layout.chunk_bytes]
-            self._check_chunk(shard, chunk, [payload, body[i * size + layout.chunk_bytes : (i + 1) * size]])
-            lo, hi = self._clip(shard, chunk, start, stop)
-            skip = (lo - layout.first_row(shard, chunk)) * row
-            copy_rows(dest[(lo - dest_start) * row : (hi - dest_start) * row], payload[skip : skip + (hi - lo) * row])
 
     def _read_run_into(
         self, shard: int, run: list[int], start: int, stop: int, dest: np.ndarray, dest_start: int, offset: int, nbytes: int
