@@ -7,8 +7,9 @@ epoch, and past its first batch) and the thread time summed over the read thread
 things a read thread does per ranged GET: the GET itself (``S3Backend.read_range`` and
 ``read_range_into``), the copy into the batch (``hsstore.format.array_reader.copy_rows`` where the
 body arrives whole and is checked before its copy, ``hsstore.read_cache.Scatter.write`` where it is
-streamed into place, inside the GET's time) and the crc32c of every chunk. The phases are timed by wrapping those functions in this process (a few
-microseconds per call; the GETs are ~10 MB each, the pieces 1 MiB).
+streamed into place, inside the GET's time) and the crc32c of every chunk. The phases are timed
+by wrapping those functions in this process (a few microseconds per call; the GETs are ~10 MB
+each, the pieces 1 MiB).
 
     python -m benchmarks.bench_object_store profile-reads --threads 8,16,32 --endpoint-processes 8 --tokens 98304
 """

@@ -177,7 +177,7 @@ def bare_clients(reader: ObstoreRangeReader) -> dict[str, Callable[[_Range], int
         buffer = getattr(local, "buffer", None)
         if buffer is None or buffer.nbytes < body.nbytes:
             buffer = local.buffer = np.empty(body.nbytes, dtype=np.uint8)
-        np.copyto(buffer[: body.nbytes], body)  # without the GIL, as the loader's Scatter copies
+        np.copyto(buffer[: body.nbytes], body)  # without the GIL, as the loader copies into the batch
         return body.nbytes
 
     def read_into_copy(r: _Range) -> int:
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             s3.load(local, url)
             s3.freeze()
             s3.set_latency(args.latency_ms)
-            sides = {"all": sorted(os.sched_getaffinity(0))}
+            sides = {"all": sorted(own_cpus)}
             if args.endpoint_cpus:  # the endpoint on cores of its own, as a real store is (cpus.py)
                 sides = dict(zip(("endpoint", "client"), split_cpus(args.endpoint_cpus), strict=True))
                 report["pinned_threads"] = {"endpoint": pin(process_group(s3.process.pid), sides["endpoint"]),
