@@ -30,12 +30,22 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 [ -n "${SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   .gpu/whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
-W=/tmp/reference-draft
+# LADDER_DIR=runs/ladder (ignored by git, so kept in the device's checkout between two calls on a
+# machine still warm) lets the train stage read what the generate stage wrote without carrying it.
+W=${LADDER_DIR:-/tmp/reference-draft}
 mkdir -p "$W"
 for name in source-prompts source-raw; do
   [ -f "$W/$name.jsonl" ] || [ ! -f ".gpu-data/$name.jsonl.xz" ] || xz -dc ".gpu-data/$name.jsonl.xz" > "$W/$name.jsonl"
 done
 hs() { python3 -m pipelines.cli "$@"; }
+build_sources() {
+  # This machine's own sources (its Python's standard library and packages) when no prompt set was
+  # carried: ../shared does not travel, .gpu-data/reserved_sources.sha256 is its copy of the held-out
+  # list (standard-library files are held out under every python3.X folder).
+  local answers=$1 out=$2
+  python3 -m pipelines.generate.source_prompts --out "$out" $answers \
+    --reserved .gpu-data/reserved_sources.sha256 --eval examples/data/eval_prompts.jsonl | tail -n 3
+}
 case "$stage" in
   generate)
     # The 19M target leaves the H200 idle at batch 128: the rungs share it, with bigger batches.
@@ -44,6 +54,10 @@ case "$stage" in
     # writing gen-<rung>-<part>; GEN_BATCH sets the batch and the unit size.
     batch=${GEN_BATCH:-512}
     parts=${PARTS:-1}
+    if [ ! -f "$W/source-prompts.jsonl" ]; then
+      build_sources "" "$W/source-prompts-all.jsonl"
+      head -n 14000 "$W/source-prompts-all.jsonl" > "$W/source-prompts.jsonl"
+    fi
     split -n "l/$parts" -d -a 2 --additional-suffix=.jsonl "$W/source-prompts.jsonl" "$W/source-prompts.part"
     for rung in ${RUNGS:-greedy t1}; do
       temp=0.0; [ "$rung" = t1 ] && temp=1.0
@@ -72,6 +86,21 @@ case "$stage" in
     for packed in .gpu-data/*.jsonl.xz; do
       [ -f "$packed" ] && xz -dc "$packed" > "$W/$(basename "$packed" .xz)"
     done
+    if [ ! -f "$W/source-raw.jsonl" ] && [[ " ${RUNGS:-raw greedy t1} " == *" raw "* ]]; then
+      # The raw rung: the prompts the greedy generation answered, each with its file's own text.
+      build_sources "--human-answers 2000" "$W/source-raw-all.jsonl"
+      python3 - "$W" <<'PY'
+import json, sys
+from pathlib import Path
+w = Path(sys.argv[1])
+answered = {json.loads(line)["id"] for shard in w.glob("gen-greedy*/shards/*.jsonl")
+            for line in shard.read_text(encoding="utf-8").splitlines()}
+lines = (w / "source-raw-all.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+kept = [line for line in lines if json.loads(line)["id"] in answered]
+(w / "source-raw.jsonl").write_text("".join(kept), encoding="utf-8")
+print(f"raw rung: {len(kept)} records, the source prompts the greedy generation answered")
+PY
+    fi
     declare -A data=(
       [raw]="${RAW_DATA:-examples/data/draft_train_slice.jsonl,$W/source-raw.jsonl}"
       [greedy]="${GREEDY_DATA:-$W/gen-greedy}" [t1]="${T1_DATA:-$W/gen-t1}"

@@ -16,7 +16,8 @@ Never used, counted by reason in the summary:
 
 - a file whose path hash is in ``reserved_sources.sha256`` (held out for evaluation; the path is
   hashed as that file's header says: relative to site-packages for a package, relative to the
-  standard library's parent, with its version folder, for the standard library);
+  standard library's parent, with its version folder, for the standard library, whose files are
+  held out under every ``python3.X`` folder: the GPU machine's Python is another version);
 - the whole ``transformers`` package (reserved too);
 - a file that shares code with an evaluation prompt (``--eval`` files: 8 consecutive non-blank
   lines in common, or the evaluation prompt's own path), and a file whose text another file
@@ -34,6 +35,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import site
 import sys
 import sysconfig
@@ -101,6 +103,25 @@ def read_reserved(path: Path) -> set[str]:
 
 def path_hash(relative: str) -> str:
     return hashlib.sha256(relative.encode("utf-8")).hexdigest()
+
+
+# The reserved list hashes standard-library paths with the version folder of the Python that wrote
+# it ('python3.11/json/decoder.py'); the same module of another Python (the GPU machine runs 3.12)
+# is the same held-out file, so a standard-library path is checked under every 3.x folder.
+_STDLIB_VERSION = re.compile(r"^python3\.\d+/")
+STDLIB_VERSIONS = [f"python3.{minor}/" for minor in range(6, 21)]
+
+
+def is_reserved(relative: str, reserved: set[str]) -> bool:
+    """Whether ``relative`` (as the reserved list's header writes paths) is held out; a standard
+    library path whatever its ``python3.X`` folder."""
+    if path_hash(relative) in reserved:
+        return True
+    match = _STDLIB_VERSION.match(relative)
+    if match is None:
+        return False
+    rest = relative[match.end() :]
+    return any(path_hash(version + rest) in reserved for version in STDLIB_VERSIONS)
 
 
 def code_shingles(text: str) -> set[str]:
@@ -254,7 +275,7 @@ def _skip_reason(
 ) -> str | None:
     if relative.split("/", 1)[0] in EXCLUDED_PACKAGES:
         return "transformers"
-    if path_hash(relative) in reserved:
+    if is_reserved(relative, reserved):
         return "reserved"
     if relative in eval_paths:
         return "eval_source"

@@ -14,6 +14,7 @@ from pipelines.generate.source_prompts import (
     SourceRoot,
     build_prompts,
     installed_roots,
+    is_reserved,
     main,
     read_reserved,
 )
@@ -59,6 +60,23 @@ def tree(tmp_path: Path) -> dict[str, object]:
     )
     roots = [SourceRoot(stdlib, stdlib.parent), SourceRoot(site, site)]
     return {"roots": roots, "reserved": read_reserved(reserved), "eval": [eval_file]}
+
+
+def test_a_reserved_standard_library_file_is_skipped_under_another_python_version(tmp_path: Path) -> None:
+    """The list hashes 'python3.11/json/decoder.py'; the GPU machine's Python 3.12 has the same
+    module at 'python3.12/json/decoder.py', and a package's file of that name stays usable."""
+    stdlib = tmp_path / "lib" / "python3.12"
+    site = tmp_path / "site"
+    write(stdlib / "json" / "decoder.py", CODE.replace("value", "doc"))
+    write(stdlib / "keep.py", CODE.replace("value", "kept"))
+    write(site / "json" / "decoder.py", CODE.replace("value", "pkg"))  # 'json/decoder.py': not the stdlib's
+    reserved = {hashlib.sha256(b"python3.11/json/decoder.py").hexdigest()}
+    assert is_reserved("python3.12/json/decoder.py", reserved) and is_reserved("python3.11/json/decoder.py", reserved)
+    assert not is_reserved("json/decoder.py", reserved) and not is_reserved("python3.12/keep.py", reserved)
+    roots = [SourceRoot(stdlib, stdlib.parent), SourceRoot(site, site)]
+    records, summary = build_prompts(roots, reserved, [], BuildOptions(min_chars=100))
+    sources = sorted(str(r["id"]).removeprefix("prompts/").rsplit("#", 1)[0] for r in records)
+    assert sources == ["json/decoder.py", "python3.12/keep.py"] and summary.skipped["reserved"] == 1
 
 
 def test_reserved_transformers_eval_and_copies_are_skipped(tree: dict[str, object]) -> None:
