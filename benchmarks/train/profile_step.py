@@ -31,9 +31,10 @@ import torch
 from benchmarks.common import write_results
 from pipelines.models.eagle3 import Eagle3Config, Eagle3Draft
 from pipelines.train import fp8 as fp8_module
+from pipelines.train import teacher as teacher_module
 from pipelines.train.compile_modes import CompileMode, resolve_compile_mode
 from pipelines.train.objective import DraftObjective
-from pipelines.train.teacher import TeacherHead
+from pipelines.train.teacher import ONCE_PER_STEP_ELEMENTS, TeacherHead
 
 SHAPES = {
     "qwen3-8b": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -53,7 +54,7 @@ def step_flops_per_token(cfg: Eagle3Config, ttt_length: int, scored_fraction: fl
     head = H * cfg.draft_vocab_size * scored_fraction
     per_depth = 2 * (qkv + o + mlp + head) * 3
     fc = 2 * cfg.num_aux_layers * cfg.target_hidden_size * H * 3
-    teacher = 2 * H * cfg.draft_vocab_size * ttt_length * scored_fraction + 2 * H * cfg.vocab_size
+    teacher = 2 * H * cfg.vocab_size  # once a step: the draft rows (every depth's logits) and the rest (validity)
     return per_depth * ttt_length + fc + teacher
 
 
@@ -106,13 +107,18 @@ class StepVariant:
     fp8_fast_accum: str = "forward"
     # Which linears go to FP8: ``fp8`` the default set (fc and the MLP), ``fp8all`` attention's too.
     fp8_all_linears: bool = False
+    # ``+perdepth``: the teacher's logits multiplied again at every depth, as before they were
+    # computed once a step (``pipelines.train.teacher.ONCE_PER_STEP_ELEMENTS = 0``): the A/B's baseline.
+    teacher_per_depth: bool = False
 
     @classmethod
     def parse(cls, text: str) -> StepVariant:
         attention, *flags = text.split("+")
-        mode, fp8, fast_accum, all_linears = CompileMode.OFF, False, "forward", False
+        mode, fp8, fast_accum, all_linears, per_depth = CompileMode.OFF, False, "forward", False, False
         for flag in flags:
-            if flag.startswith("fp8"):
+            if flag == "perdepth":
+                per_depth = True
+            elif flag.startswith("fp8"):
                 name, _, accum = flag.partition(":")
                 if name not in ("fp8", "fp8all"):
                     raise ValueError(f"{text}: {name!r} is not fp8 or fp8all")
@@ -121,12 +127,12 @@ class StepVariant:
                     raise ValueError(f"{text}: fp8 accumulation {fast_accum!r} is not one of {sorted(FP8_FAST_ACCUM_CHOICES)}")
             else:  # "compile" is how variants were spelt before the modes: layers
                 mode = resolve_compile_mode("layers" if flag == "compile" else flag, torch.device("cuda"))
-        return cls(attention, mode, fp8, fast_accum, all_linears)
+        return cls(attention, mode, fp8, fast_accum, all_linears, per_depth)
 
     def __str__(self) -> str:
         name = "fp8all" if self.fp8_all_linears else "fp8"
         fp8 = [name + ("" if self.fp8_fast_accum == "forward" else f":{self.fp8_fast_accum}")] if self.fp8 else []
-        return "+".join([self.attention, str(self.compile)] + fp8)
+        return "+".join([self.attention, str(self.compile)] + fp8 + (["perdepth"] if self.teacher_per_depth else []))
 
     def fast_accum_table(self) -> dict[str, bool]:
         return FP8_FAST_ACCUM_CHOICES[self.fp8_fast_accum]
@@ -165,6 +171,7 @@ def run_variant(args: argparse.Namespace, variant: StepVariant, device: torch.de
     head = TeacherHead(lm_head, draft.d2t, draft.t2d)
     fp8_module.FAST_ACCUM.update(variant.fast_accum_table())
     fp8_module.FP8_LINEARS = fp8_module.ALL_LINEARS if variant.fp8_all_linears else fp8_module.MLP_LINEARS
+    teacher_module.ONCE_PER_STEP_ELEMENTS = 0 if variant.teacher_per_depth else ONCE_PER_STEP_ELEMENTS
     objective = DraftObjective(draft, "final_hidden", head, ttt_length=args.ttt_length, attention=variant.attention,
                                compile=variant.compile, fp8=variant.fp8)
     params = [p for p in draft.parameters() if p.requires_grad]

@@ -29,6 +29,12 @@ from hsstore.aux_layers import DRAFT_PROBS, FINAL_HIDDEN_STATE, TOPK_IDS, TOPK_L
 from pipelines.train.teacher_mode import TeacherMode
 
 DEFAULT_VOCAB_CHUNK = 8192
+# The teacher's draft-vocabulary logits of a whole step are computed once when they hold at most
+# this many elements (2**30, 2 GB in bf16; the 8B shape's 8,192 positions x 32,000 ids are 2**28):
+# every depth of the TTT unroll reads its (shifted) rows from them and the validity check maxes
+# them. Recomputed per depth instead, the seven depths multiplied the same final states by the
+# same head seven times, plus once more in the validity check (benchmarks/LOG.md, issue 31).
+ONCE_PER_STEP_ELEMENTS = 1 << 30
 
 
 @dataclass
@@ -168,9 +174,12 @@ class TeacherHead:
         self.outside_rows_VH = weight[outside].contiguous() if bool(outside.any()) else None
 
     @torch.no_grad()
-    def valid(self, hidden_NH: torch.Tensor, chunk_elements: int = 1 << 26) -> torch.Tensor:
+    def valid(
+        self, hidden_NH: torch.Tensor, chunk_elements: int = 1 << 26, inside_logits_NV: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Bool [N]: the target's argmax over its whole vocabulary lies in the draft vocabulary
-        (ties count as inside). Chunked over positions and vocabulary, no host syncs."""
+        (ties count as inside). Chunked over positions and vocabulary, no host syncs.
+        ``inside_logits_NV``: the draft-vocabulary logits, when the caller has them already."""
         N = hidden_NH.shape[0]
         valid = torch.ones(N, dtype=torch.bool, device=hidden_NH.device)
         if self.outside_rows_VH is None or N == 0:
@@ -179,7 +188,10 @@ class TeacherHead:
         rows = max(1, chunk_elements // max(self.outside_rows_VH.shape[0], self.draft_rows_VH.shape[0]))
         for start in range(0, N, rows):
             h_c = h[start : start + rows]
-            best_inside = (h_c @ self.draft_rows_VH.T).float().amax(-1)
+            inside = (
+                h_c @ self.draft_rows_VH.T if inside_logits_NV is None else inside_logits_NV[start : start + rows]
+            )
+            best_inside = inside.float().amax(-1)
             best_outside = torch.full_like(best_inside, float("-inf"))
             vocab_step = max(1, chunk_elements // h_c.shape[0])
             for v in range(0, self.outside_rows_VH.shape[0], vocab_step):
@@ -191,17 +203,28 @@ class TeacherHead:
 
 class FinalHiddenTeacherRows:
     """Teacher rows from the stored post-norm final state: a softmax over the draft-vocabulary
-    logits, recomputed per chunk of positions (one [chunk, H] x [H, V_draft] matmul)."""
+    logits. The logits of every position are computed once (one [N, H] x [H, V_draft] matmul)
+    when they fit ``once_elements``; past that, per chunk of rows asked for."""
 
-    def __init__(self, final_hidden_BTH: torch.Tensor, head: TeacherHead) -> None:
+    def __init__(
+        self, final_hidden_BTH: torch.Tensor, head: TeacherHead, once_elements: int | None = None
+    ) -> None:
         self.hidden_NH = final_hidden_BTH.reshape(-1, final_hidden_BTH.shape[-1])
         self.head = head
+        weight = head.draft_rows_VH
+        self.logits_NV: torch.Tensor | None = None
+        limit = ONCE_PER_STEP_ELEMENTS if once_elements is None else once_elements
+        if self.hidden_NH.shape[0] * weight.shape[0] <= limit:
+            with torch.no_grad():
+                self.logits_NV = self.hidden_NH.to(weight.dtype) @ weight.T
 
     def valid(self) -> torch.Tensor:
-        return self.head.valid(self.hidden_NH)
+        return self.head.valid(self.hidden_NH, inside_logits_NV=self.logits_NV)
 
     def logits(self, rows_N: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The teacher's logits over the draft vocabulary (the loss fuses their softmax)."""
+        if self.logits_NV is not None:
+            return self.logits_NV[rows_N].to(dtype)
         weight = self.head.draft_rows_VH
         return (self.hidden_NH[rows_N].to(weight.dtype) @ weight.T).to(dtype)
 

@@ -131,6 +131,37 @@ def test_final_hidden_teacher_rows_equal_the_dense_teacher():
     assert torch.equal(head.valid(hidden.reshape(B * T, H), chunk_elements=13), valid.reshape(-1))
 
 
+def test_final_hidden_teacher_logits_are_computed_once_a_step():
+    """Every depth reads its rows of one [N, V_draft] product (and the validity check maxes it):
+    reading rows then multiplies nothing. Past ``once_elements`` the rows are computed per call,
+    with the same values."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    gen = torch.Generator().manual_seed(4)
+    V, H, B, T = 40, 8, 2, 9
+    lm_head = torch.randn(V, H, generator=gen)
+    hidden = torch.randn(B, T, H, generator=gen)
+    vocab = calibrate_vocab(torch.randint(0, 50, (V,), generator=gen), 24)
+    head = TeacherHead(lm_head, vocab.d2t, vocab.t2d)
+    once = FinalHiddenTeacherRows(hidden, head)
+    per_call = FinalHiddenTeacherRows(hidden, head, once_elements=B * T * 24 - 1)
+    assert once.logits_NV is not None and per_call.logits_NV is None
+    index = torch.tensor([0, 5, 17, 3, 5])
+    with FlopCounterMode(display=False) as reading_once:
+        depths_once = [once.logits((index + depth).clamp(max=B * T - 1), torch.float32) for depth in range(0, 7)]
+        valid_once = once.valid()
+    with FlopCounterMode(display=False) as reading_per_call:
+        depths_per_call = [per_call.logits((index + depth).clamp(max=B * T - 1), torch.float32) for depth in range(0, 7)]
+        valid_per_call = per_call.valid()
+    for a, b in zip(depths_once, depths_per_call, strict=True):
+        torch.testing.assert_close(a, b)
+    assert torch.equal(valid_once, valid_per_call)
+    # What is left once: the validity check's product over the ids outside the draft vocabulary.
+    outside = 2 * B * T * H * (V - 24)
+    assert reading_once.get_total_flops() == outside
+    assert reading_per_call.get_total_flops() == outside + 2 * H * 24 * (7 * len(index) + B * T)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("teacher_kind", ["final_hidden", "dense"])
