@@ -12,6 +12,13 @@
 #   (bring the generated datasets back into .gpu-data/ as gen-*.tar.xz, then)
 #   STEPS=3000 RUNGS="raw greedy" GREEDY_DATA=/tmp/reference-draft/gen-greedy-0,/tmp/reference-draft/gen-greedy-1 bash tools/gpu_reference_draft.sh train
 #     (extract the rungs, train each at equal steps, export the newest step all reached)
+# The whole ladder in one 10-minute call, on fewer prompts (LOG, 2026-12-05): with no prompt set
+# carried, the generate stage builds this machine's (PROMPTS of them), and the train stage the raw
+# records of the prompts the greedy generation answered:
+#   export LADDER_DIR=$PWD/runs/ladder; PROMPTS=2000 RUNGS="greedy t1" PARTS=2 GEN_BATCH=512 \
+#     GEN_SECONDS=200 BENCH_SECONDS=0 bash tools/gpu_reference_draft.sh generate
+#   STEPS=1200 TRAIN_DEADLINE=330 RUNGS="raw greedy t1" GREEDY_DATA=$LADDER_DIR/gen-greedy-0,$LADDER_DIR/gen-greedy-1 \
+#     T1_DATA=$LADDER_DIR/gen-t1-0,$LADDER_DIR/gen-t1-1 bash tools/gpu_reference_draft.sh train
 # The acceptance lengths are then measured on the CPU (python3 -m benchmarks.bench_evaluate reference-draft).
 # The ceiling against a raw-data draft (LOG, 2026-12-04), after `bench_evaluate ceiling --work W
 # --stages probe,generate,extract` here:
@@ -56,7 +63,7 @@ case "$stage" in
     parts=${PARTS:-1}
     if [ ! -f "$W/source-prompts.jsonl" ]; then
       build_sources "" "$W/source-prompts-all.jsonl"
-      head -n 14000 "$W/source-prompts-all.jsonl" > "$W/source-prompts.jsonl"
+      head -n "${PROMPTS:-14000}" "$W/source-prompts-all.jsonl" > "$W/source-prompts.jsonl"
     fi
     split -n "l/$parts" -d -a 2 --additional-suffix=.jsonl "$W/source-prompts.jsonl" "$W/source-prompts.part"
     for rung in ${RUNGS:-greedy t1}; do
