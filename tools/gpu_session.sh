@@ -7,6 +7,7 @@
 #   bash tools/gpu_session.sh gpu-limit-extract   # issue 31 parts 1-2 on nvidia-h200 (~6-7 min)
 #   bash tools/gpu_session.sh gpu-limit-bytecode-ab  # issue 31: the job wall with and without bytecode (~8 min)
 #   bash tools/gpu_session.sh gpu-limit-planning-ab  # issue 31: the tokenizer pool's early start, A/B (~7 min)
+#   bash tools/gpu_session.sh gpu-limit-train-teacher-ab  # issue 31: the step, teacher once vs per depth (~8 min)
 # The first three expect wheels for the packages the GPU image lacks in .whl/ (zarr, numcodecs,
 # pydantic, ...) and the training data gzipped at .bench/draft_train.jsonl.gz (../shared does not
 # travel); they run extraction in process (executor=local). extract-ray uses the .gpu/ bundle
@@ -36,7 +37,8 @@ hs() { python3 -m pipelines.cli "$@"; }
 # (compileall writes despite PYTHONDONTWRITEBYTECODE: the variable only stops imports.)
 compile_bytecode() {
   local site
-  compile_bytecode
+  site=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
+  { time python3 -m compileall -q -j 0 "$site" /tmp/site hsstore pipelines benchmarks > /dev/null; } 2>&1 | tail -n 3
 }
 
 case "$stage" in
@@ -142,6 +144,15 @@ gpu-limit-planning-ab)
     done
   done
   cp .gpu-ab/tokenizer_pool_after.py pipelines/extract/tokenizer_pool.py
+  ;;
+gpu-limit-train-teacher-ab)
+  # Issue 31's training step: the teacher's logits once a step (today) against per depth
+  # (`+perdepth`, the code before 2026-12-05), alternated, in child processes of one call, then the
+  # FP8 step beside them (~8 min; carry .gpu, nothing else: the step is synthetic).
+  compile_bytecode
+  python3 -m benchmarks.bench_train step-modes --part throughput --deadline-s 540 --variant-budget-s 150 \
+    --variants flex+graph flex+graph+perdepth flex+step+fp8 flex+graph+perdepth flex+graph \
+    --out "$OUT/gpu-limit-h200.json" 2>&1 | tail -n 40
   ;;
 *) echo "unknown stage $stage"; exit 2 ;;
 esac
