@@ -31,6 +31,7 @@ import torch
 from benchmarks.common import write_results
 from pipelines.models.eagle3 import Eagle3Config, Eagle3Draft
 from pipelines.train import fp8 as fp8_module
+from pipelines.train import objective as objective_module
 from pipelines.train import teacher as teacher_module
 from pipelines.train.compile_modes import CompileMode, resolve_compile_mode
 from pipelines.train.objective import DraftObjective
@@ -93,6 +94,22 @@ def measure_matmul_tflops(device: torch.device) -> float:
     return 2 * 8192**3 * 10 / (time.perf_counter() - t0) / 1e12
 
 
+_TEACHER_ROWS = objective_module.teacher_rows
+
+
+def teacher_as_before_12_05(before: bool) -> None:
+    """In this process, the final-state teacher as the trainer computed it before 2026-12-05
+    (``before``) or as it does now: then, its draft-vocabulary logits were multiplied again at
+    every depth (``ONCE_PER_STEP_ELEMENTS = 0``) and the validity check ran over every position,
+    scored or not (the objective's ``needed_BT`` dropped); the A/B baseline of ``+perdepth``."""
+    teacher_module.ONCE_PER_STEP_ELEMENTS = 0 if before else ONCE_PER_STEP_ELEMENTS
+
+    def every_position(*args: Any, needed_BT: Any = None, **kwargs: Any) -> Any:
+        return _TEACHER_ROWS(*args, **kwargs)
+
+    objective_module.teacher_rows = every_position if before else _TEACHER_ROWS
+
+
 @dataclass(frozen=True)
 class StepVariant:
     """One way to run the step: ``ATTENTION[+MODE][+fp8]`` on the command line, e.g. ``flex+graph+fp8``.
@@ -107,8 +124,7 @@ class StepVariant:
     fp8_fast_accum: str = "forward"
     # Which linears go to FP8: ``fp8`` the default set (fc and the MLP), ``fp8all`` attention's too.
     fp8_all_linears: bool = False
-    # ``+perdepth``: the teacher's logits multiplied again at every depth, as before they were
-    # computed once a step (``pipelines.train.teacher.ONCE_PER_STEP_ELEMENTS = 0``): the A/B's baseline.
+    # ``+perdepth``: the teacher as before 2026-12-05 (:func:`teacher_as_before_12_05`): the A/B's baseline.
     teacher_per_depth: bool = False
 
     @classmethod
@@ -171,7 +187,7 @@ def run_variant(args: argparse.Namespace, variant: StepVariant, device: torch.de
     head = TeacherHead(lm_head, draft.d2t, draft.t2d)
     fp8_module.FAST_ACCUM.update(variant.fast_accum_table())
     fp8_module.FP8_LINEARS = fp8_module.ALL_LINEARS if variant.fp8_all_linears else fp8_module.MLP_LINEARS
-    teacher_module.ONCE_PER_STEP_ELEMENTS = 0 if variant.teacher_per_depth else ONCE_PER_STEP_ELEMENTS
+    teacher_as_before_12_05(variant.teacher_per_depth)
     objective = DraftObjective(draft, "final_hidden", head, ttt_length=args.ttt_length, attention=variant.attention,
                                compile=variant.compile, fp8=variant.fp8)
     params = [p for p in draft.parameters() if p.requires_grad]

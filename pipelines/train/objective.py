@@ -37,7 +37,13 @@ from pipelines.train.compile_modes import (
 from pipelines.train.fp8 import convert_to_fp8
 from pipelines.train.teacher import TeacherHead, teacher_rows
 from pipelines.train.teacher_mode import TeacherMode
-from pipelines.train.ttt import doc_remaining_from_ids, ttt_forward, ttt_step_masks, ttt_unroll
+from pipelines.train.ttt import (
+    doc_remaining_from_ids,
+    shift_left,
+    ttt_forward,
+    ttt_step_masks,
+    ttt_unroll,
+)
 
 AUX = AUX_HIDDEN_STATES
 
@@ -118,8 +124,12 @@ class DraftObjective(nn.Module):
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         mode = self.compile_mode
         with torch.no_grad():
+            # Sparse scoring (not a whole-step graph): the teacher only where a prediction is
+            # scored, i.e. at the positions whose next token is in the loss mask.
+            needed = None if mode.whole_step else shift_left(loss_mask_BT.bool(), 1, False)
             teacher, valid = teacher_rows(
-                self.teacher_mode, features, d2t=self.draft.d2t, t2d=self.draft.t2d, head=self.teacher_head
+                self.teacher_mode, features, d2t=self.draft.d2t, t2d=self.draft.t2d, head=self.teacher_head,
+                needed_BT=needed,
             )
         out = ttt_forward(
             self.draft, features[AUX], input_ids_BT, position_ids_BT, loss_mask_BT, teacher, valid,

@@ -204,27 +204,54 @@ class TeacherHead:
 class FinalHiddenTeacherRows:
     """Teacher rows from the stored post-norm final state: a softmax over the draft-vocabulary
     logits. The logits of every position are computed once (one [N, H] x [H, V_draft] matmul)
-    when they fit ``once_elements``; past that, per chunk of rows asked for."""
+    when they fit ``once_elements``; past that, per chunk of rows asked for.
+
+    ``needed_N`` (bool [N], optional): the only positions whose teacher is ever asked for (the
+    teacher at position j scores the prediction of token j + 1, so those whose next token is in
+    the loss mask). The logits and the validity check are then computed at those positions only,
+    and the rest count as invalid: a store whose loss mask covers a fraction f of the tokens pays
+    f of the teacher's products. Its row count is read on the host (a sync), which the sparse
+    scoring of ``compile: off``/``layers`` already makes per depth; a whole-step graph passes None."""
 
     def __init__(
-        self, final_hidden_BTH: torch.Tensor, head: TeacherHead, once_elements: int | None = None
+        self,
+        final_hidden_BTH: torch.Tensor,
+        head: TeacherHead,
+        once_elements: int | None = None,
+        needed_N: torch.Tensor | None = None,
     ) -> None:
         self.hidden_NH = final_hidden_BTH.reshape(-1, final_hidden_BTH.shape[-1])
         self.head = head
+        N = self.hidden_NH.shape[0]
+        # Where each position's logits sit in logits_NV (None: row n at n).
+        self._slot_N: torch.Tensor | None = None
+        self._rows_M: torch.Tensor | None = None
+        computed = self.hidden_NH
+        if needed_N is not None:
+            self._rows_M = needed_N.reshape(-1).nonzero().squeeze(1)
+            self._slot_N = torch.zeros(N, dtype=torch.long, device=self.hidden_NH.device)
+            self._slot_N[self._rows_M] = torch.arange(len(self._rows_M), device=self.hidden_NH.device)
+            computed = self.hidden_NH[self._rows_M]
         weight = head.draft_rows_VH
         self.logits_NV: torch.Tensor | None = None
         limit = ONCE_PER_STEP_ELEMENTS if once_elements is None else once_elements
-        if self.hidden_NH.shape[0] * weight.shape[0] <= limit:
+        if computed.shape[0] * weight.shape[0] <= limit:
             with torch.no_grad():
-                self.logits_NV = self.hidden_NH.to(weight.dtype) @ weight.T
+                self.logits_NV = computed.to(weight.dtype) @ weight.T
+        self._computed_MH = computed
 
     def valid(self) -> torch.Tensor:
-        return self.head.valid(self.hidden_NH, inside_logits_NV=self.logits_NV)
+        valid = self.head.valid(self._computed_MH, inside_logits_NV=self.logits_NV)
+        if self._rows_M is None:
+            return valid
+        full = torch.zeros(self.hidden_NH.shape[0], dtype=torch.bool, device=valid.device)
+        full[self._rows_M] = valid
+        return full
 
     def logits(self, rows_N: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The teacher's logits over the draft vocabulary (the loss fuses their softmax)."""
         if self.logits_NV is not None:
-            return self.logits_NV[rows_N].to(dtype)
+            return self.logits_NV[rows_N if self._slot_N is None else self._slot_N[rows_N]].to(dtype)
         weight = self.head.draft_rows_VH
         return (self.hidden_NH[rows_N].to(weight.dtype) @ weight.T).to(dtype)
 
@@ -239,15 +266,17 @@ def teacher_rows(
     d2t: torch.Tensor,
     t2d: torch.Tensor,
     head: TeacherHead | None = None,
+    needed_BT: torch.Tensor | None = None,
 ) -> tuple[DenseTeacherRows | FinalHiddenTeacherRows, torch.Tensor]:
     """``(rows, valid_BT)`` for the training loss. ``final_hidden`` streams rows from the final
-    state through ``head``; the compact modes (top-k, draft probabilities) are small per position
-    already and go through the dense builders above."""
+    state through ``head`` (at the ``needed_BT`` positions only, when given: see
+    :class:`FinalHiddenTeacherRows`); the compact modes (top-k, draft probabilities) are small per
+    position already and go through the dense builders above."""
     if mode == TeacherMode.FINAL_HIDDEN:
         if head is None:
             raise ValueError("teacher mode 'final_hidden' needs a TeacherHead (the target's lm_head)")
         final = features[FINAL_HIDDEN_STATE]
-        rows = FinalHiddenTeacherRows(final, head)
+        rows = FinalHiddenTeacherRows(final, head, needed_N=None if needed_BT is None else needed_BT.reshape(-1))
         return rows, rows.valid().reshape(final.shape[:2])
     dense = build_teacher(mode, features, d2t=d2t, t2d=t2d)
     return DenseTeacherRows(dense.probs_BTV), dense.valid_BT

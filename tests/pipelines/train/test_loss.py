@@ -162,6 +162,33 @@ def test_final_hidden_teacher_logits_are_computed_once_a_step():
     assert reading_per_call.get_total_flops() == outside + 2 * H * 24 * (7 * len(index) + B * T)
 
 
+def test_final_hidden_teacher_at_the_needed_positions_only():
+    """Sparse scoring asks for the teacher where a next token is scored: the products run over
+    those rows only, give the same logits and validity there, and every other position is invalid."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    gen = torch.Generator().manual_seed(6)
+    V, H, B, T = 40, 8, 2, 9
+    lm_head = torch.randn(V, H, generator=gen)
+    hidden = torch.randn(B, T, H, generator=gen)
+    vocab = calibrate_vocab(torch.randint(0, 50, (V,), generator=gen), 24)
+    head = TeacherHead(lm_head, vocab.d2t, vocab.t2d)
+    needed = torch.zeros(B * T, dtype=torch.bool)
+    needed[[1, 2, 3, 10, 16]] = True
+    full = FinalHiddenTeacherRows(hidden, head)
+    with FlopCounterMode(display=False) as counting:
+        sparse = FinalHiddenTeacherRows(hidden, head, needed_N=needed)
+        valid = sparse.valid()
+    assert counting.get_total_flops() == 2 * int(needed.sum()) * H * V  # draft rows once, the rest in the check
+    rows = needed.nonzero().squeeze(1)
+    torch.testing.assert_close(sparse.logits(rows.flip(0), torch.float32), full.logits(rows.flip(0), torch.float32))
+    assert torch.equal(valid[needed], full.valid()[needed]) and not valid[~needed].any()
+    # Past once_elements, rows come from the final state directly, by their global index.
+    per_call = FinalHiddenTeacherRows(hidden, head, once_elements=0, needed_N=needed)
+    assert per_call.logits_NV is None and torch.equal(per_call.valid(), valid)
+    torch.testing.assert_close(per_call.logits(rows, torch.float32), full.logits(rows, torch.float32))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("teacher_kind", ["final_hidden", "dense"])
