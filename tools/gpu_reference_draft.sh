@@ -45,6 +45,8 @@ for name in source-prompts source-raw; do
   [ -f "$W/$name.jsonl" ] || [ ! -f ".gpu-data/$name.jsonl.xz" ] || xz -dc ".gpu-data/$name.jsonl.xz" > "$W/$name.jsonl"
 done
 hs() { python3 -m pipelines.cli "$@"; }
+# GEN_ARGS, TRAIN_ARGS, EXTRACT_ARGS: more `--set`s for every generate, train and extract command
+# (e.g. a CPU rehearsal of the stages before a device call: benchmarks/LOG.md, 2026-12-05).
 build_sources() {
   # This machine's own sources (its Python's standard library and packages) when no prompt set was
   # carried: ../shared does not travel, .gpu-data/reserved_sources.sha256 is its copy of the held-out
@@ -76,7 +78,7 @@ case "$stage" in
         timeout -k "${GEN_GRACE:-90}" "${GEN_SECONDS:-390}" python3 -m pipelines.cli generate recipes/reference/generate.yaml \
           --set "data=[$data]" --set "output=$W/$name" --set sampling.temperature=$temp \
           --set batching.max_batch_size=$batch --set batching.token_budget=$(( batch * 2048 )) \
-          --set units.max_records=$batch > "$OUT/generate-$name.log" 2>&1 &
+          --set units.max_records=$batch ${GEN_ARGS:-} > "$OUT/generate-$name.log" 2>&1 &
       done
     done
     wait
@@ -116,7 +118,7 @@ PY
     rungs=${RUNGS:-raw greedy t1}
     for rung in $rungs; do
       hs extract recipes/reference/extract.yaml --set "data=[${data[$rung]}]" --set "store=$W/store-$rung" \
-        --set executor=local --set allow_unfinished_generation=true > "$OUT/extract-$rung.log" 2>&1 &
+        --set executor=local --set allow_unfinished_generation=true ${EXTRACT_ARGS:-} > "$OUT/extract-$rung.log" 2>&1 &
     done
     wait
     tail -n 6 "$OUT"/extract-*.log
@@ -128,7 +130,7 @@ PY
       timeout $(( ${TRAIN_DEADLINE:-520} - SECONDS )) python3 -m pipelines.cli train \
         recipes/reference/train-reference-draft.yaml --set "store=$W/store-$rung" \
         --set "output_dir=$W/draft-$rung" --set "max_steps=$STEPS" --set checkpoint_every=250 \
-        --set keep_checkpoints=1000 > "$OUT/train-$rung.log" 2>&1 &
+        --set keep_checkpoints=1000 ${TRAIN_ARGS:-} > "$OUT/train-$rung.log" 2>&1 &
     done
     wait
     common=$STEPS
