@@ -167,11 +167,8 @@ PY
     # is the same file as its eval_prompts.jsonl).
     mkdir -p "$W/ceiling" && tar xJf .gpu-data/probe-generated.tar.xz -C "$W/ceiling"
     if [ -n "${RAW_XZ:-}" ]; then xz -dc "$RAW_XZ" > "$W/source-raw.jsonl"; else
-      for answers in "" "--human-answers 2000"; do
-        out="$W/source-prompts-all.jsonl"; [ -n "$answers" ] && out="$W/source-raw-all.jsonl"
-        python3 -m pipelines.generate.source_prompts --out "$out" $answers \
-          --reserved .gpu-data/reserved_sources.sha256 --eval examples/data/eval_prompts.jsonl | tail -n 2
-      done
+      build_sources "" "$W/source-prompts-all.jsonl"
+      build_sources "--human-answers 2000" "$W/source-raw-all.jsonl"
       head -n 14000 "$W/source-prompts-all.jsonl" > "$W/source-prompts-first.jsonl"
       split -n l/2 -d -a 2 --additional-suffix=.jsonl "$W/source-prompts-first.jsonl" "$W/source-prompts-first.part"
       { head -n $(( 4096 - 160 )) "$W/source-prompts-first.part00.jsonl"; head -n 4096 "$W/source-prompts-first.part01.jsonl"; } \

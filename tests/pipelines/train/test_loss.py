@@ -112,15 +112,22 @@ def test_bf16_autocast_stays_close_to_float32():
     assert abs(float(ce) - float(want)) / float(want) < 2e-2
 
 
-def test_final_hidden_teacher_rows_equal_the_dense_teacher():
-    gen = torch.Generator().manual_seed(2)
-    V, H, B, T = 40, 8, 2, 9
+# The final-state teacher's small case: a target vocabulary of V ids, 24 of them the draft's.
+V, H, B, T, V_DRAFT = 40, 8, 2, 9, 24
+
+
+def _final_state_case(seed: int):
+    """A target lm_head, final states [B, T, H], a calibrated draft vocabulary and its TeacherHead."""
+    gen = torch.Generator().manual_seed(seed)
     lm_head = torch.randn(V, H, generator=gen)
     hidden = torch.randn(B, T, H, generator=gen)
-    counts = torch.randint(0, 50, (V,), generator=gen)
-    vocab = calibrate_vocab(counts, 24)
+    vocab = calibrate_vocab(torch.randint(0, 50, (V,), generator=gen), V_DRAFT)
+    return lm_head, hidden, vocab, TeacherHead(lm_head, vocab.d2t, vocab.t2d)
+
+
+def test_final_hidden_teacher_rows_equal_the_dense_teacher():
+    lm_head, hidden, vocab, head = _final_state_case(2)
     dense = teacher_from_final_hidden(hidden, lm_head, vocab.d2t, vocab.t2d, vocab_chunk=7)
-    head = TeacherHead(lm_head, vocab.d2t, vocab.t2d)
     rows, valid = teacher_rows("final_hidden", {"final_hidden_state": hidden}, d2t=vocab.d2t, t2d=vocab.t2d, head=head)
     assert isinstance(rows, FinalHiddenTeacherRows)
     assert torch.equal(valid, dense.valid_BT)
@@ -137,14 +144,9 @@ def test_final_hidden_teacher_logits_are_computed_once_a_step():
     with the same values."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    gen = torch.Generator().manual_seed(4)
-    V, H, B, T = 40, 8, 2, 9
-    lm_head = torch.randn(V, H, generator=gen)
-    hidden = torch.randn(B, T, H, generator=gen)
-    vocab = calibrate_vocab(torch.randint(0, 50, (V,), generator=gen), 24)
-    head = TeacherHead(lm_head, vocab.d2t, vocab.t2d)
+    _, hidden, _, head = _final_state_case(4)
     once = FinalHiddenTeacherRows(hidden, head)
-    per_call = FinalHiddenTeacherRows(hidden, head, once_elements=B * T * 24 - 1)
+    per_call = FinalHiddenTeacherRows(hidden, head, once_elements=B * T * V_DRAFT - 1)
     assert once.logits_NV is not None and per_call.logits_NV is None
     index = torch.tensor([0, 5, 17, 3, 5])
     with FlopCounterMode(display=False) as reading_once:
@@ -157,9 +159,9 @@ def test_final_hidden_teacher_logits_are_computed_once_a_step():
         torch.testing.assert_close(a, b)
     assert torch.equal(valid_once, valid_per_call)
     # What is left once: the validity check's product over the ids outside the draft vocabulary.
-    outside = 2 * B * T * H * (V - 24)
+    outside = 2 * B * T * H * (V - V_DRAFT)
     assert reading_once.get_total_flops() == outside
-    assert reading_per_call.get_total_flops() == outside + 2 * H * 24 * (7 * len(index) + B * T)
+    assert reading_per_call.get_total_flops() == outside + 2 * H * V_DRAFT * (7 * len(index) + B * T)
 
 
 def test_final_hidden_teacher_at_the_needed_positions_only():
@@ -167,12 +169,7 @@ def test_final_hidden_teacher_at_the_needed_positions_only():
     those rows only, give the same logits and validity there, and every other position is invalid."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    gen = torch.Generator().manual_seed(6)
-    V, H, B, T = 40, 8, 2, 9
-    lm_head = torch.randn(V, H, generator=gen)
-    hidden = torch.randn(B, T, H, generator=gen)
-    vocab = calibrate_vocab(torch.randint(0, 50, (V,), generator=gen), 24)
-    head = TeacherHead(lm_head, vocab.d2t, vocab.t2d)
+    _, hidden, _, head = _final_state_case(6)
     needed = torch.zeros(B * T, dtype=torch.bool)
     needed[[1, 2, 3, 10, 16]] = True
     full = FinalHiddenTeacherRows(hidden, head)
