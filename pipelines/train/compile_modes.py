@@ -48,7 +48,8 @@ class CompileMode(StrEnum):
 
 # What ``compile: auto`` picks on CUDA. At the 8B shape, every position scored (H200, 2026-12-03,
 # after the loss was traced in one chunk and the block masks stopped waiting for the GPU): graph
-# 27,551-27,951 tokens/s (28,660-28,891 back to back, as the trainer runs), layers 25,080; graph
+# 27,551-27,951 tokens/s (28,660-28,891 back to back, as the trainer runs; 29,567-29,597 and
+# 31,332-31,382 since 2026-12-05, the teacher's logits computed once a step), layers 25,080; graph
 # compiles in ~50-60 s, layers in ~16 s, so graph's 10% repays its compile within ~7 minutes of
 # training, and it peaks at 22 GiB against layers' 26-31 (benchmarks/RESULTS.md). Where graph is
 # refused (several processes, accumulation) auto picks step, the same graph without replay.
