@@ -290,6 +290,7 @@ def test_a_sigterm_commits_the_units_in_flight_and_stops(dataset: Any, tmp_path:
         time.sleep(0.05)
     assert process.poll() is None and committed >= 1
     process.send_signal(signal.SIGTERM)
+    process.send_signal(signal.SIGTERM)  # as GNU timeout does: to the job, then to its process group
     out, err = process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert "stopped    by signal 15" in out and "rerun the same command" in out
