@@ -82,7 +82,13 @@ class SamplingParams:
 def choose_next(
     logits_BV: torch.Tensor, params: SamplingParams, generators: Sequence[torch.Generator | None]
 ) -> torch.Tensor:
-    """The next token of each row: argmax, or one draw per row from its own generator."""
+    """The next token of each row: argmax, or one draw per row from its own (CPU) generator.
+
+    A draw is one uniform number from the row's generator, mapped through the row's cumulative
+    distribution, all rows at once. One ``torch.multinomial`` per row (before 2026-12-05) cost
+    ~0.27 ms a row on the CPU (136 ms a step at batch 512, 30x the argmax) and a few kernel launches
+    a row on a GPU. The generators live on the CPU, so an answer's draws do not depend on the device.
+    """
     if params.greedy:
         return logits_BV.argmax(dim=-1)
     logits_BV = logits_BV.float() / params.temperature
@@ -96,10 +102,17 @@ def choose_next(
         drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= params.top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs_BV = torch.zeros_like(probs_BV).scatter(-1, order, sorted_probs)
-    out = torch.empty(probs_BV.shape[0], dtype=torch.long, device=probs_BV.device)
-    for row, generator in enumerate(generators):
-        out[row] = torch.multinomial(probs_BV[row], 1, generator=generator)[0]
-    return out
+    uniform_B = torch.stack([torch.rand((), dtype=torch.float64, generator=g) for g in generators])
+    # float32: a token's interval is off by a rounding or two (~1e-7), and float64 took 10x as
+    # long on the CPU (22 of 39 ms a step at batch 512).
+    cdf_BV = probs_BV.cumsum(dim=-1)
+    # The first token whose cumulative mass passes u x total: a token of zero mass (cut by top-k
+    # or top-p) spans an empty interval and is never the first. The target stays below the total
+    # (u < 1 rounded to float32 could reach it), where only tokens of zero mass would follow.
+    total_B1 = cdf_BV[:, -1:]
+    uniform_B1 = uniform_B.to(cdf_BV.device, torch.float32, non_blocking=True).unsqueeze(1)
+    targets_B1 = torch.minimum(uniform_B1 * total_B1, torch.nextafter(total_B1, torch.zeros_like(total_B1)))
+    return torch.searchsorted(cdf_BV, targets_B1, right=True).squeeze(1)
 
 
 def plan_generation_batches(
@@ -259,6 +272,6 @@ class BatchGenerator:
         return out, finish
 
     def _generator(self, seed: int) -> torch.Generator:
-        generator = torch.Generator(device=self.device)
+        generator = torch.Generator()  # on the CPU: choose_next draws its uniforms there
         generator.manual_seed(seed)
         return generator

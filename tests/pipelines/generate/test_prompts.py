@@ -183,6 +183,24 @@ def test_sampler_rows_follow_their_own_generators() -> None:
         assert all(int(p) in top5[r].tolist() for r, p in enumerate(picked))
 
 
+def test_sampled_tokens_follow_the_distribution_and_never_a_cut_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One draw per row through the cumulative distribution: frequencies match the probabilities
+    (top-k applied), tokens cut by top-k never come, and a uniform next to 1 still lands on a token
+    of mass."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 5.0, -30.0]]).repeat(4000, 1)
+    params = SamplingParams(temperature=1.0, top_k=4)
+    gens = [torch.Generator().manual_seed(seed) for seed in range(4000)]
+    counts = torch.bincount(choose_next(logits, params, gens), minlength=6).double()
+    kept = [0, 1, 2, 4]
+    expected = torch.softmax(logits[0, kept], dim=-1).double() * 4000
+    assert counts[3] == 0 and counts[5] == 0
+    chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
+    assert chi2 < 16.3  # 3 degrees of freedom: p = 0.001
+    # u = 1 - 2^-53 rounds to 1.0 in float32; the draw must still be token 1, not one past it.
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(1.0 - 2.0**-53, dtype=torch.float64))
+    assert choose_next(torch.tensor([[0.0, 9.0, -1e9, -1e9]]), SamplingParams(temperature=1.0), [None]).tolist() == [1]
+
+
 def test_batches_are_length_sorted_within_the_token_budget() -> None:
     requests = [Request(prompt_ids=tuple(range(n)), max_new_tokens=10, seed=0) for n in (5, 30, 12, 30, 1)]
     batches = plan_generation_batches(requests, max_batch_size=2, token_budget=80)
