@@ -145,6 +145,11 @@ def stop_token_ids(target_dir: str, tokenizer: Any, extra: list[int]) -> list[in
     return sorted({int(i) for i in ids})
 
 
+# How a sampled answer's tokens follow from its seed (engine.choose_next): one uniform number per
+# token from the answer's CPU generator, through the token's cumulative distribution.
+SAMPLER = "inverse-cdf"
+
+
 def build_lineage(
     recipe: GenerateRecipe,
     target_dir: str,
@@ -155,6 +160,10 @@ def build_lineage(
 ) -> GenerationLineage:
     sampling = recipe.sampling.model_dump(mode="json")
     sampling["stop_token_ids"] = stop_ids
+    if recipe.backend == "transformers" and recipe.sampling.temperature > 0:
+        # The same seeds drew other answers before the batched sampler (engine.choose_next,
+        # 2026-12-05): a folder sampled before it has no "sampler" and is not resumed by this one.
+        sampling["sampler"] = SAMPLER
     identity = target_identity(target_dir)
     identity["name_or_path"] = recipe.target
     return GenerationLineage(

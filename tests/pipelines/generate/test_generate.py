@@ -176,6 +176,8 @@ def test_sampled_answers_are_regenerated_exactly(dataset: Any, tmp_path: Path) -
     second = make_recipe(dataset[1], tmp_path / "b", *sampled, "batching.max_batch_size=1", "units.max_records=2")
     run_generation(first)
     run_generation(second)
+    manifest = read_manifest(StoreLocation(first.output))
+    assert manifest is not None and manifest.lineage.sampling["sampler"] == "inverse-cdf"
     rows_a, rows_b = read_output(tmp_path / "a"), read_output(tmp_path / "b")
     assert rows_a == rows_b and len(rows_a) == 4
     other_seed = make_recipe(dataset[1], tmp_path / "c", *sampled[:2], "sampling.seed=4", "limit=5")
