@@ -222,23 +222,24 @@ class FinalHiddenTeacherRows:
     ) -> None:
         self.hidden_NH = final_hidden_BTH.reshape(-1, final_hidden_BTH.shape[-1])
         self.head = head
-        N = self.hidden_NH.shape[0]
-        # Where each position's logits sit in logits_NV (None: row n at n).
-        self._slot_N: torch.Tensor | None = None
         self._rows_M: torch.Tensor | None = None
         computed = self.hidden_NH
         if needed_N is not None:
             self._rows_M = needed_N.reshape(-1).nonzero().squeeze(1)
-            self._slot_N = torch.zeros(N, dtype=torch.long, device=self.hidden_NH.device)
-            self._slot_N[self._rows_M] = torch.arange(len(self._rows_M), device=self.hidden_NH.device)
             computed = self.hidden_NH[self._rows_M]
+        self._computed_MH = computed
         weight = head.draft_rows_VH
         self.logits_NV: torch.Tensor | None = None
+        # Where each position's logits sit in logits_NV (None: row n at n); the per-call path
+        # indexes the final state by position and needs no map.
+        self._slot_N: torch.Tensor | None = None
         limit = ONCE_PER_STEP_ELEMENTS if once_elements is None else once_elements
         if computed.shape[0] * weight.shape[0] <= limit:
             with torch.no_grad():
                 self.logits_NV = computed.to(weight.dtype) @ weight.T
-        self._computed_MH = computed
+            if self._rows_M is not None:
+                self._slot_N = torch.zeros(self.hidden_NH.shape[0], dtype=torch.long, device=computed.device)
+                self._slot_N[self._rows_M] = torch.arange(len(self._rows_M), device=computed.device)
 
     def valid(self) -> torch.Tensor:
         valid = self.head.valid(self._computed_MH, inside_logits_NV=self.logits_NV)
