@@ -21,10 +21,11 @@ peers: install
 # The README's test command; .ci/run calls exactly this. Two pytest-xdist workers, a test file each
 # (--dist loadfile: a module's fixtures are built once): most of the suite's time is waiting on
 # subprocesses, Ray and servers, so two workers on CI's 2 cores take ~0.6x the time of one
-# (benchmarks/LOG.md). TEST_WORKERS=0 runs in one process.
+# (benchmarks/LOG.md). The modules go out longest first (tests/support/schedule.py), not xdist's
+# most-tests-first. TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
 test: peers
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-fast: 
 	$(PYTHON) -m pytest -q -m "not slow and not reliability"

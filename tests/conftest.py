@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from tests.support.paths import EXAMPLES_DATA, REFERENCE_TARGET, SHARED_DATA, TRAIN_DATA
+from tests.support.schedule import longest_modules_first, recorded_seconds
 from tests.support.stores import extract_reference_store
 
 
@@ -58,8 +59,19 @@ def reference_store(tmp_path_factory: pytest.TempPathFactory, records_path: Path
     """The session's one store of real features: the reference target through the project's
     extraction, 40 records truncated to 256 tokens, aux layers [2, 4, 5] + final state, bf16.
     Shared: tests read it and never write into it."""
-    url = str(tmp_path_factory.mktemp("reference-store") / "store")
-    return extract_reference_store(url, records_path)
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return extract_reference_store(str(tmp_path_factory.mktemp("reference-store") / "store"), records_path)
+    # Under xdist, one worker extracts it into the run's shared folder (the parent of the workers'
+    # own) and the other waits for it and reads it, as xdist's docs share a session fixture.
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent / "reference-store"
+    with FileLock(f"{shared}.lock"):
+        if not (shared / "done").exists():
+            shutil.rmtree(shared, ignore_errors=True)
+            extract_reference_store(str(shared / "store"), records_path)
+            (shared / "done").touch()
+    return str(shared / "store")
 
 
 @pytest.fixture(scope="session")
@@ -99,6 +111,9 @@ def ray_session() -> Iterator[Any]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The longest modules first, so that xdist's workers finish together (tests/support/schedule.py;
+    # `make test` passes --no-loadscope-reorder, else xdist puts the modules with most tests first).
+    longest_modules_first(items, recorded_seconds())
     try:
         import torch
 
