@@ -9,7 +9,7 @@ pytest-split does with its durations file) lets the short modules fill the gaps 
 ``module_seconds.json`` holds each module's seconds from one measured run; a module it does not
 name counts as 0 (it goes last). Rebuild it from a run's ``--durations=0`` output:
 
-    python -m pytest -n 0 --durations=0 -p no:randomly > /tmp/durations.log
+    python -m pytest -n 0 --durations=0 > /tmp/durations.log
     python -m tests.support.schedule /tmp/durations.log
 """
 
