@@ -166,7 +166,7 @@ def write_recipe(
         # compile before the first unit (the steady state); "-compiled-background" is the default
         # start (eager units while the layers compile).
         "model": {"dtype": "bfloat16", "device": "auto" if args.device == "cuda" else "cpu", "compile": is_compiled(name),
-                  "compile_in_background": "background" in name.split("-")[2:],
+                  "compile_backend": args.compile_backend, "compile_in_background": "background" in name.split("-")[2:],
                   "weights_loader": "transformers" if "hfload" in name.split("-")[2:] else "auto"},
         "capture": {"aux_layer_ids": AUX_LAYER_IDS[args.shape]},
         "codecs": {
@@ -723,6 +723,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser, *, work: str, tokens
     parser.add_argument("--unit-tokens", type=int, default=262144)
     parser.add_argument("--cpus-per-worker", type=float, default=8)
     parser.add_argument("--planning-workers", type=int, default=4, help="planning.num_workers of each run")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="model.compile_backend of the -compiled runs (the smoke tests: aot_eager, no C++ compile)")
     parser.add_argument("--compare-samples", type=int, default=32, help="samples compared against one GPU's eager capture")
     parser.add_argument("--deadline-s", type=float, default=deadline_s, help="start no step after this many seconds")
 

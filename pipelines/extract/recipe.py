@@ -41,6 +41,12 @@ class ModelSection(RecipeModel):
         "layer and batch (pipelines/extract/compiled_layers.py). auto: on CUDA, not on a CPU; not "
         "part of the lineage (compiled and eager features agree within bf16 rounding)",
     )
+    compile_backend: str = Field(
+        "inductor",
+        description="with compile: torch.compile's backend. inductor generates the kernels; "
+        "aot_eager traces the same graph and runs it with eager kernels (no compiler toolchain: "
+        "for debugging a graph break, or the CPU tests)",
+    )
     compile_in_background: bool = Field(
         True,
         description="with compile: the worker starts eager and compiles on a thread of its own, the "

@@ -91,7 +91,9 @@ class ExtractionWorker:
         )
         # Compiled (model.compile) in the background after an eager warm-up (compiled_layers.py).
         self.compiled = (
-            compiled_layers.CompiledDecoderLayers(self.capture.parts.layers, deferred=True)
+            compiled_layers.CompiledDecoderLayers(
+                self.capture.parts.layers, deferred=True, backend=spec.compile_backend
+            )
             if compiled_layers.resolve_compile(spec.compile, self.device)
             else None
         )

@@ -30,6 +30,7 @@ class WorkerSpec:
     # by hand (benchmarks and tests that share the model with a bare forward) runs eager unless it
     # asks.
     compile: bool | str = False
+    compile_backend: str = "inductor"
     compile_in_background: bool = True
     weights_loader: str = "auto"
     token_budget: int = 16384
@@ -75,6 +76,7 @@ class WorkerSpec:
             attn_implementation=recipe.model.attn_implementation,
             trust_remote_code=recipe.model.trust_remote_code,
             compile=recipe.model.compile,
+            compile_backend=recipe.model.compile_backend,
             compile_in_background=recipe.model.compile_in_background,
             weights_loader=recipe.model.weights_loader,
             token_budget=recipe.batching.token_budget,

@@ -91,22 +91,26 @@ def test_tiny_cpu_sequence_compares_each_run_with_the_bare_passes_beside_it(
 @pytest.mark.slow
 def test_tiny_cpu_gpu_limit_run_writes_the_extract_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 31's mode: bare, eager and compiled (inductor's C++ kernels: minutes on 2 cores)
-    extraction, compiled vs eager on the same batches; report --write keeps the train section."""
+    """Issue 31's mode: bare, eager and compiled extraction, compiled vs eager on the same batches;
+    report --write keeps the train section. Compiled with aot_eager: the same dynamo graph, the
+    same background compile and switch-over, without inductor's C++ kernels (~20 s cold on 2 cores;
+    test_compiled_layers.py extracts through inductor's kernels)."""
     out = tmp_path / "out"
     argv = [
         "gpu-limit", "run", "--shape", "small", "--device", "cpu",
         "--executor", "local", "--tokens", "800", "--min-length", "64", "--max-length", "200", "--max-length-cap", "256",
         "--token-budget", "512", "--unit-tokens", "1024", "--planning-workers", "1", "--out", str(out),
         "--work", str(tmp_path / "work"), "--runs", "eager,compiled",  # default: the same extraction, another setting
+        "--compile-backend", "aot_eager",
     ]
     run_in_process(argv, capsys, monkeypatch)
     measured = json.loads((out / "gpu-limit-extract.json").read_text())
     extract, runs = measured["extract"], measured["details"]["runs"]
     assert set(extract) == {"bare_hf_tokens_per_s", "eager_tokens_per_s", "compiled_tokens_per_s", "max_feature_rel_err",
                             "job_wall_seconds_1m_tokens", "first_forward_seconds", "model_load_seconds"}
-    assert all(value is not None and value > 0 for value in extract.values()), extract
-    assert extract["max_feature_rel_err"] < 4e-2  # bf16 rounding, not another computation
+    # aot_eager runs eager kernels, so its features may equal the eager run's exactly (error 0).
+    assert all(value is not None and (value > 0 or key == "max_feature_rel_err") for key, value in extract.items()), extract
+    assert 0 <= extract["max_feature_rel_err"] < 4e-2  # bf16 rounding, not another computation
     details = measured["details"]  # compiled no further from the float32 forward than eager
     assert 0 < details["compiled_vs_float32_rel_err"] < 1.5 * details["eager_vs_float32_rel_err"] + 2e-3
     assert runs["bf16-1"]["compiled"] is False and runs["bf16-1-compiled"]["compiled"] is True

@@ -19,11 +19,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import secrets
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,6 +96,7 @@ class LocalRayCluster:
         }
         self.gcs_port = _free_ports(1)[0]
         self.nodes: list[RayNode] = []
+        self._probe: _NodeProbe | None = None
 
     def auth_env(self) -> dict[str, str]:
         """What every node and every driver of this cluster needs in its environment: Ray (2.5x)
@@ -181,28 +184,18 @@ class LocalRayCluster:
     def num_alive(self) -> int:
         return sum(n.alive for n in self.nodes)
 
-    def node_table(self) -> list[dict[str, Any]]:
+    def node_table(self, timeout_s: float = 60.0) -> list[dict[str, Any]]:
         """The GCS's nodes (``NodeID``, ``Alive``, ``Resources``, ...), dead ones included; asked
-        from a short-lived process, so that this one never becomes a Ray driver."""
-        probe = (
-            "import json, sys, ray; ray.init(address=sys.argv[1], log_to_driver=False, configure_logging=False); "
-            "print('NODES', json.dumps([{k: n[k] for k in ('NodeID', 'Alive', 'Resources', 'NodeManagerPort')} "
-            "for n in ray.nodes()]))"
-        )
-        done = subprocess.run(
-            [sys.executable, "-c", probe, self.address],
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        if done.returncode != 0:
-            raise ClusterError(f"cannot list the nodes of {self.address}: {done.stderr[-2000:]}")
-        # Ray may print its own lines (a node it declared dead) on stdout too.
-        line = next((x for x in reversed(done.stdout.splitlines()) if x.startswith("NODES ")), None)
-        if line is None:
-            raise ClusterError(f"cannot list the nodes of {self.address}: {done.stdout[-2000:]}")
-        return json.loads(line.removeprefix("NODES "))
+        through :class:`_NodeProbe`, a process of its own, so that this one never becomes a Ray
+        driver."""
+        if self._probe is None or not self._probe.alive:
+            self._probe = _NodeProbe(self.address, self.env, self.root / "probe.log")
+        try:
+            return self._probe.nodes(timeout_s)
+        except ClusterError:
+            self._probe.close()
+            self._probe = None
+            raise
 
     def ray_node_id(self, node: RayNode) -> str:
         """The Ray node id of ``node`` as it runs now (a restarted node gets a new one)."""
@@ -273,6 +266,13 @@ class LocalRayCluster:
         self.wait_for_nodes(self.num_alive(), new_besides=known)
 
     def stop(self) -> None:
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
+        for node in self.nodes:  # every node's group killed first, then each one waited for
+            if node.process is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(node.process.pid, signal.SIGKILL)
         for node in reversed(self.nodes):
             self.kill_node(node)
         # `ray stop` would stop every Ray on the machine (other sessions' too): not used here.
@@ -283,6 +283,69 @@ class LocalRayCluster:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+class _NodeProbe:
+    """One driver process attached to the cluster for as long as it runs, answering each line on
+    its stdin with the GCS's node table: a fresh ``ray.init`` per question cost ~1.4 s of wall
+    clock on 2 cores, and :meth:`LocalRayCluster.wait_for_nodes` asks every half second."""
+
+    SCRIPT = (
+        "import json, sys, ray\n"
+        "ray.init(address=sys.argv[1], log_to_driver=False, configure_logging=False)\n"
+        "keys = ('NodeID', 'Alive', 'Resources', 'NodeManagerPort')\n"
+        "for _ in sys.stdin:\n"
+        "    print('NODES', json.dumps([{k: n[k] for k in keys} for n in ray.nodes()]), flush=True)\n"
+    )
+
+    def __init__(self, address: str, env: dict[str, str], log: Path) -> None:
+        self.log = log
+        with log.open("ab") as stderr:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", self.SCRIPT, address], env=env, stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=stderr, text=True,
+            )  # fmt: skip
+        # Its stdout read line by line on a thread of its own, so that a question can time out.
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.put(line)
+        self.lines.put("")  # end of output: the probe exited
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def nodes(self, timeout_s: float) -> list[dict[str, Any]]:
+        assert self.process.stdin is not None
+        deadline = time.monotonic() + timeout_s
+        try:
+            self.process.stdin.write("\n")
+            self.process.stdin.flush()
+        except OSError:
+            raise self._failed("exited") from None
+        # Ray may print lines of its own on stdout too (a node it declared dead).
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                break
+            if not line:
+                raise self._failed("exited")
+            if line.startswith("NODES "):
+                return json.loads(line.removeprefix("NODES "))
+        raise self._failed(f"gave no answer in {timeout_s:.0f} s")
+
+    def _failed(self, what: str) -> ClusterError:
+        return ClusterError(f"the node probe {what}: {self.log.read_text(errors='replace')[-2000:]}")
+
+    def close(self) -> None:
+        if self.alive:
+            self.process.kill()
+        self.process.wait()
 
 
 # -- extraction on the cluster: the driver as a process of its own, the store's content -----------

@@ -50,6 +50,8 @@ def test_the_recipe_option_reaches_the_worker(tmp_path: Path) -> None:
         return WorkerSpec.from_recipe(recipe, target_dir=str(REFERENCE_TARGET), features=[], aux_layer_ids=[2], pad_token_id=0)
 
     assert spec_of().compile == "auto"  # the recipe's default
+    assert spec_of().compile_backend == "inductor"
+    assert spec_of(compile=True, compile_backend="aot_eager").compile_backend == "aot_eager"
     assert spec_of(compile=True).compile is True and spec_of(compile=False).compile is False
     with pytest.raises(RecipeError, match="model.compile"):
         spec_of(compile="sometimes")
