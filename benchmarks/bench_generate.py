@@ -2,7 +2,9 @@
 
 The same prompts (random token ids of mixed lengths, length-sorted and cut into batches of
 ``--batch``), the same model, greedy, the same ``max_new_tokens`` and stop ids, both in the same
-process one after the other (each after one warm-up batch). hsstore's path is the transformers
+process one after the other (each after one warm-up batch). Greedy by default; ``--temperature T``
+samples on both paths (hsstore: its batched sampler with a seed per answer; plain:
+``do_sample=True, temperature=T, top_k=0, top_p=1.0``, the same distribution). hsstore's path is the transformers
 backend's generator (pipelines/generate/engine.py: its own loop and KV cache, per-answer
 seeds, finished answers dropped from the batch); the plain path is
 ``model.generate(input_ids, attention_mask, max_new_tokens=..., do_sample=False)`` per batch.
@@ -92,23 +94,27 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_hsstore(model: Any, batches: list[list[list[int]]], max_new: int, device: torch.device) -> tuple[int, float]:
+def run_hsstore(model: Any, batches: list[list[list[int]]], max_new: int, device: torch.device,
+                temperature: float = 0.0) -> tuple[int, float]:
     generator = BatchGenerator(
-        model, _Tokenizer(), stop_token_ids=[EOS_ID], pad_token_id=0, params=SamplingParams(),
+        model, _Tokenizer(), stop_token_ids=[EOS_ID], pad_token_id=0, params=SamplingParams(temperature=temperature),
         max_batch_size=max(len(b) for b in batches), token_budget=1 << 40,
     )
     tokens = 0
     sync(device)
     start = time.perf_counter()
-    for batch in batches:
-        ids, _ = generator.generate_ids([Request(tuple(p), max_new, 0) for p in batch])
+    for b, batch in enumerate(batches):
+        ids, _ = generator.generate_ids([Request(tuple(p), max_new, b * len(batch) + i) for i, p in enumerate(batch)])
         tokens += sum(len(x) for x in ids)
     sync(device)
     return tokens, time.perf_counter() - start
 
 
 @torch.inference_mode()
-def run_plain(model: Any, batches: list[list[list[int]]], max_new: int, device: torch.device) -> tuple[int, float]:
+def run_plain(model: Any, batches: list[list[list[int]]], max_new: int, device: torch.device,
+              temperature: float = 0.0) -> tuple[int, float]:
+    # Sampling: temperature only (transformers' default top_k=50 switched off), as hsstore's path.
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {"do_sample": False}
     tokens = 0
     sync(device)
     start = time.perf_counter()
@@ -121,7 +127,7 @@ def run_plain(model: Any, batches: list[list[list[int]]], max_new: int, device: 
             mask[row, width - len(prompt) :] = 1
         out = model.generate(
             input_ids=input_ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new,
-            do_sample=False, eos_token_id=EOS_ID, pad_token_id=0,
+            eos_token_id=EOS_ID, pad_token_id=0, **sampling,
         )[:, width:]
         for row in out.tolist():
             tokens += next((i for i, t in enumerate(row) if t == EOS_ID), len(row))
@@ -138,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-prompt", type=int, default=64)
     parser.add_argument("--max-prompt", type=int, default=512)
     parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled on both paths")
     parser.add_argument("--repeats", type=int, default=2, help="timed passes per path, alternating; best kept")
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "generate-h200.json"))
     parser.add_argument(
@@ -176,8 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                     engine.KV_CACHE = name
                 elif name != "engine":
                     raise SystemExit(f"--variants: unknown variant {name!r}")
-                runs[name].append(run_hsstore(model, batches, args.max_new_tokens, device))
-            plain_runs.append(run_plain(model, batches, args.max_new_tokens, device))
+                runs[name].append(run_hsstore(model, batches, args.max_new_tokens, device, args.temperature))
+            plain_runs.append(run_plain(model, batches, args.max_new_tokens, device, args.temperature))
     finally:
         engine.DECODE_SDPA, engine.KV_CACHE = defaults
     hsstore_runs = runs[variants[0]]
@@ -187,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         "hsstore_tokens_per_s": round(best_h, 1),
         "plain_generate_tokens_per_s": round(best_p, 1),
         "batch": args.batch,
+        "temperature": args.temperature,
         "ratio": round(best_h / best_p, 3),
         "shape": args.shape,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

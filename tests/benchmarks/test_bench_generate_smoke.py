@@ -21,3 +21,14 @@ def test_quick_run_measures_both_paths(tmp_path: Path) -> None:
     assert result["variants"]["engine"]["runs"] == result["hsstore_runs"]
     for variant in ("no-cudnn", "dynamic"):
         assert result["variants"][variant]["runs"][0]["tokens"] == result["plain_runs"][0]["tokens"]
+
+
+def test_quick_sampled_run_samples_on_both_paths(tmp_path: Path) -> None:
+    from benchmarks import bench_generate
+
+    out = tmp_path / "generate.json"
+    assert bench_generate.main(["--quick", "--temperature", "1.0", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["temperature"] == 1.0
+    # 16 answers of at most 8 tokens on each path (a sampled stop id may end one early).
+    assert 0 < result["hsstore_runs"][0]["tokens"] <= 128 and 0 < result["plain_runs"][0]["tokens"] <= 128
