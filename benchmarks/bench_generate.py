@@ -103,8 +103,9 @@ def run_hsstore(model: Any, batches: list[list[list[int]]], max_new: int, device
     tokens = 0
     sync(device)
     start = time.perf_counter()
-    for b, batch in enumerate(batches):
-        ids, _ = generator.generate_ids([Request(tuple(p), max_new, b * len(batch) + i) for i, p in enumerate(batch)])
+    seeds = iter(range(sum(len(b) for b in batches)))  # one per answer: sampled draws differ between answers
+    for batch in batches:
+        ids, _ = generator.generate_ids([Request(tuple(p), max_new, next(seeds)) for p in batch])
         tokens += sum(len(x) for x in ids)
     sync(device)
     return tokens, time.perf_counter() - start
