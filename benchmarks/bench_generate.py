@@ -1,13 +1,13 @@
 """Tokens generated per second: hsstore generate's decode loop against a plain ``model.generate`` loop.
 
 The same prompts (random token ids of mixed lengths, length-sorted and cut into batches of
-``--batch``), the same model, greedy, the same ``max_new_tokens`` and stop ids, both in the same
-process one after the other (each after one warm-up batch). Greedy by default; ``--temperature T``
-samples on both paths (hsstore: its batched sampler with a seed per answer; plain:
-``do_sample=True, temperature=T, top_k=0, top_p=1.0``, the same distribution). hsstore's path is the transformers
+``--batch``), the same model, the same ``max_new_tokens`` and stop ids, both in the same process
+one after the other (each after one warm-up batch). Greedy by default; ``--temperature T`` samples
+on both paths (hsstore: its batched sampler with a seed per answer; plain: ``do_sample=True,
+temperature=T, top_k=0, top_p=1.0``, the same distribution). hsstore's path is the transformers
 backend's generator (pipelines/generate/engine.py: its own loop and KV cache, per-answer
 seeds, finished answers dropped from the batch); the plain path is
-``model.generate(input_ids, attention_mask, max_new_tokens=..., do_sample=False)`` per batch.
+``model.generate(input_ids, attention_mask, max_new_tokens=..., do_sample=...)`` per batch.
 Tokens counted are new tokens before the stop token (padding after it excluded), per path.
 
     python -m benchmarks.bench_generate --quick                         # CPU smoke test (tiny model), seconds

@@ -184,14 +184,14 @@ class LocalRayCluster:
     def num_alive(self) -> int:
         return sum(n.alive for n in self.nodes)
 
-    def node_table(self, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+    def node_table(self) -> list[dict[str, Any]]:
         """The GCS's nodes (``NodeID``, ``Alive``, ``Resources``, ...), dead ones included; asked
         through :class:`_NodeProbe`, a process of its own, so that this one never becomes a Ray
         driver."""
         if self._probe is None or not self._probe.alive:
             self._probe = _NodeProbe(self.address, self.env, self.root / "probe.log")
         try:
-            return self._probe.nodes(timeout_s)
+            return self._probe.nodes(timeout_s=60.0)
         except ClusterError:
             self._probe.close()
             self._probe = None
@@ -246,8 +246,7 @@ class LocalRayCluster:
         if node.process is None:
             return
         group = node.process.pid
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(group, signal.SIGKILL)
+        self._sigkill(node)
         node.process.wait()
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:  # the raylet and workers exit after their leader
@@ -256,6 +255,12 @@ class LocalRayCluster:
             except ProcessLookupError:
                 return
             time.sleep(0.1)
+
+    @staticmethod
+    def _sigkill(node: RayNode) -> None:
+        if node.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node.process.pid, signal.SIGKILL)
 
     def restart_node(self, node: RayNode) -> None:
         """The node comes back: the same ``ray start`` again (a new raylet; Ray sees a new node).
@@ -270,9 +275,7 @@ class LocalRayCluster:
             self._probe.close()
             self._probe = None
         for node in self.nodes:  # every node's group killed first, then each one waited for
-            if node.process is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(node.process.pid, signal.SIGKILL)
+            self._sigkill(node)
         for node in reversed(self.nodes):
             self.kill_node(node)
         # `ray stop` would stop every Ray on the machine (other sessions' too): not used here.
