@@ -23,6 +23,47 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
 
+# Set by the CPU smoke tests: a benchmark's steps run in the calling process instead of processes
+# of their own. On a GPU the steps' own processes are the point (each run starts from a clean
+# device and a cold compile cache); on 2 CPU cores a process costs ~3.5 s of torch and
+# transformers imports, most of a tiny step. bench_extract's default-mode smoke run keeps the processes.
+STEPS_IN_PROCESS_ENV = "HSSTORE_BENCH_STEPS_IN_PROCESS"
+
+
+def run_python_module(
+    module: str, argv: list[str], env: dict[str, str] | None = None, log: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m MODULE ARGV`` from the repository root (``env``: its whole environment, default
+    this one's): its exit code and output, or with ``log`` its stdout and stderr into that file.
+    In this process (``MODULE.main(ARGV)``, ``env`` set for the call) when ``STEPS_IN_PROCESS_ENV``
+    is set."""
+    if not os.environ.get(STEPS_IN_PROCESS_ENV):
+        if log is None:
+            return subprocess.run([sys.executable, "-m", module, *argv], cwd=REPO_ROOT, capture_output=True, text=True, env=env)
+        with open(log, "w", encoding="utf-8") as out:
+            done = subprocess.run([sys.executable, "-m", module, *argv], cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+        return subprocess.CompletedProcess(done.args, done.returncode, "", "")
+    import contextlib
+    import io
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    saved = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stdout if log else stderr):
+            code = importlib.import_module(module).main(argv)
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+        (stdout if log else stderr).write(f"{stop}\n")
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    if log is not None:
+        log.write_text(stdout.getvalue(), encoding="utf-8")
+        return subprocess.CompletedProcess([module, *argv], int(code or 0), "", "")
+    return subprocess.CompletedProcess([module, *argv], int(code or 0), stdout.getvalue(), stderr.getvalue())
+
+
 def parser(doc: str | None, *, prog: str | None = None, defaults: bool = False) -> argparse.ArgumentParser:
     """The script's parser: its module docstring as the help text (kept as written)."""
     formatter = argparse.ArgumentDefaultsHelpFormatter if defaults else argparse.RawDescriptionHelpFormatter

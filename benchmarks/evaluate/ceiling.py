@@ -45,13 +45,11 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO_ROOT, machine_info
+from benchmarks.common import REPO_ROOT, machine_info, run_python_module
 from benchmarks.evaluate.acceptance import SETTINGS, acceptance_lengths, heldout_accuracy
 
 STAGES = ("probe", "generate", "extract", "contexts", "train", "decode", "accuracy")
@@ -62,9 +60,7 @@ SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 def hsstore_command(args: list[str], log: Path) -> list[str]:
     """Run ``hsstore ARGS`` (this checkout's CLI) with its output in ``log``; the command as run."""
-    command = [sys.executable, "-m", "pipelines.cli", *args]
-    with open(log, "w", encoding="utf-8") as out:
-        done = subprocess.run(command, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, check=False)
+    done = run_python_module("pipelines.cli", args, log=log)
     if done.returncode != 0:
         tail = log.read_text(encoding="utf-8", errors="replace")[-2000:]
         raise RuntimeError(f"hsstore {args[0]} exited with {done.returncode} (log {log}):\n{tail}")

@@ -58,7 +58,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO_ROOT
+from benchmarks.common import REPO_ROOT, run_python_module
 
 AUX_LAYER_IDS = {"qwen3-8b": [2, 18, 33], "small": [1, 2, 3]}
 
@@ -201,10 +201,7 @@ def extract(args: argparse.Namespace, name: str, env: dict[str, str] | None = No
     shutil.rmtree(store_path(args, name), ignore_errors=True)
     log(f"extract {name} ({settings})")
     start = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-m", "pipelines.cli", "extract", str(recipe), "--json", "--no-progress"],
-        cwd=REPO_ROOT, capture_output=True, text=True, env=env,
-    )
+    done = run_python_module("pipelines.cli", ["extract", str(recipe), "--json", "--no-progress"], env)
     if done.returncode != 0:
         sys.stderr.write(done.stderr[-4000:])
         raise SystemExit(f"extract {name} failed ({done.returncode})")
@@ -235,11 +232,11 @@ def last_json_object(text: str) -> dict[str, Any]:
 def step(args: argparse.Namespace, name: str, *extra: str, mode: str = "ray") -> dict[str, Any]:
     """Run a step of this script (of bench_extract's ``mode``) in its own process; it prints one
     JSON line last."""
-    command = [sys.executable, "-m", "benchmarks.bench_extract", mode, name, "--work", args.work, "--shape", args.shape, "--device", args.device,
-               "--token-budget", str(args.token_budget), "--unit-tokens", str(args.unit_tokens),
-               "--max-length-cap", str(args.max_length_cap), "--split-records", str(args.split_records),
-               "--compare-samples", str(args.compare_samples), *extra]
-    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
+    argv = [mode, name, "--work", args.work, "--shape", args.shape, "--device", args.device,
+            "--token-budget", str(args.token_budget), "--unit-tokens", str(args.unit_tokens),
+            "--max-length-cap", str(args.max_length_cap), "--split-records", str(args.split_records),
+            "--compare-samples", str(args.compare_samples), *extra]
+    done = run_python_module("benchmarks.bench_extract", argv)
     sys.stderr.write(done.stderr[-3000:])
     if done.returncode != 0:
         raise SystemExit(f"step {name} failed ({done.returncode})")

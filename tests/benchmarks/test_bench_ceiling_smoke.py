@@ -27,8 +27,13 @@ def write_sources(folder: Path) -> None:
         (folder / f"module_{index}.py").write_text(f'"""Module {index}."""\n\n' + body)
 
 
-def test_the_ceiling_runs_every_stage_and_merges_its_report(tmp_path: Path) -> None:
+def test_the_ceiling_runs_every_stage_and_merges_its_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from benchmarks import bench_evaluate
+    from benchmarks.common import STEPS_IN_PROCESS_ENV
+
+    # generate, extract and train through the CLI's main in this process, not three processes
+    # (~3.5 s of imports each; bench_extract's smoke test runs that helper's process path).
+    monkeypatch.setenv(STEPS_IN_PROCESS_ENV, "1")
 
     sources, work, shipped = tmp_path / "sources", tmp_path / "work", tmp_path / "shipped"
     write_sources(sources)

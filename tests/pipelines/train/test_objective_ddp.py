@@ -8,7 +8,6 @@ import os
 import socket
 from pathlib import Path
 
-import pytest
 import torch
 
 from pipelines.train.distributed import Distributed, all_reduce_, wrap_ddp
@@ -46,10 +45,10 @@ def _rank_gradients(rank: int, out_dir: str, compile: str) -> None:
     out = model({k: v[rows] for k, v in features.items()}, ids[rows], pos[rows], loss_mask[rows], docs[rows])
     counts = all_reduce_(torch.stack(out.counts).to(torch.float64), state)
     objective_loss(out, counts, 0.8, False, world_size=2).backward()
-    torch.save(_grads(draft), Path(out_dir) / f"rank{rank}.pt")
+    torch.save(_grads(draft), Path(out_dir) / f"rank{rank}-{compile}.pt")
 
 
-def _worker(rank: int, port: int, out_dir: str, compile: str) -> None:
+def _worker(rank: int, port: int, out_dir: str, modes: list[str]) -> None:
     import torch.distributed as dist
 
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
@@ -59,16 +58,17 @@ def _worker(rank: int, port: int, out_dir: str, compile: str) -> None:
         # In a function of its own, as the trainer's _run: the DDP wrapper (its reducer holds gloo
         # work) is gone before the group is destroyed. With it alive at destroy_process_group, a
         # rank now and then aborted at exit ("terminate called without an active exception").
-        _rank_gradients(rank, out_dir, compile)
-        dist.barrier()  # neither rank tears the group down while the other still uses it
+        for compile in modes:  # one process group for both modes: a spawn costs ~5 s of imports
+            _rank_gradients(rank, out_dir, compile)
+            dist.barrier()  # neither rank tears the group down while the other still uses it
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("compile", ["off", pytest.param("step", marks=pytest.mark.slow)])
-def test_ddp_gradient_equals_one_process_on_the_whole_batch(tmp_path: Path, compile: str) -> None:
-    """``step``: each rank runs the objective traced as one graph (``aot_eager``); its backward
-    hands DDP every gradient at once, and the all-reduced result is still the one process's."""
+def test_ddp_gradient_equals_one_process_on_the_whole_batch(tmp_path: Path) -> None:
+    """Eager (``off``) and ``step``, where each rank runs the objective traced as one graph
+    (``aot_eager``): its backward hands DDP every gradient at once. Either way the all-reduced
+    result is the one process's."""
     import torch.multiprocessing as mp
 
     draft, features, ids, pos, loss_mask, docs = _inputs()
@@ -77,9 +77,11 @@ def test_ddp_gradient_equals_one_process_on_the_whole_batch(tmp_path: Path, comp
     objective_loss(out, torch.stack(out.counts).double(), 0.8, False).backward()
     want = _grads(draft)
 
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), compile), nprocs=2, join=True)
-    for rank in range(2):
-        got = torch.load(tmp_path / f"rank{rank}.pt")
-        assert got.keys() == want.keys()
-        for name in want:
-            torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12, msg=name)
+    modes = ["off", "step"]
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), modes), nprocs=2, join=True)
+    for compile in modes:
+        for rank in range(2):
+            got = torch.load(tmp_path / f"rank{rank}-{compile}.pt")
+            assert got.keys() == want.keys()
+            for name in want:
+                torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12, msg=f"{compile}: {name}")
