@@ -46,7 +46,13 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import REPO_ROOT, update_section, write_results
+from benchmarks.common import (
+    REPO_ROOT,
+    STEPS_IN_PROCESS_ENV,
+    run_python_module,
+    update_section,
+    write_results,
+)
 from benchmarks.train.profile_step import StepVariant, measure_matmul_tflops, run_variant
 
 SECTION = "train"
@@ -109,7 +115,10 @@ def _variant_in_child(args: argparse.Namespace, text: str, timeout_s: float, pea
         # perf_hints: why inductor declined to capture CUDA graphs, if it did.
         env = {**os.environ, "TORCH_LOGS": os.environ.get("TORCH_LOGS", "perf_hints")}
         try:
-            proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=REPO_ROOT, env=env)
+            if os.environ.get(STEPS_IN_PROCESS_ENV):  # the CPU smoke test (benchmarks/common.py)
+                proc = run_python_module("benchmarks.bench_train", command[3:], env)
+            else:
+                proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=REPO_ROOT, env=env)
         except subprocess.TimeoutExpired:
             return {"variant": text, "error": f"timeout: no result within {timeout_s:.0f} s (compilation included)"}
         if proc.returncode != 0 or not row_file.exists():

@@ -32,8 +32,10 @@ def test_step_modes_quick_fills_the_train_section_and_keeps_the_others(tmp_path:
     """``step-modes --quick``: both step variants timed (float32 and FP8, eager, the reference
     shape), the FP8-vs-bf16 held-out run, all merged into the results file's ``train`` section."""
     from benchmarks import bench_train
+    from benchmarks.common import STEPS_IN_PROCESS_ENV
 
     monkeypatch.setattr(bench_train, "TRAIN_DATA", TRAIN_DATA)
+    monkeypatch.setenv(STEPS_IN_PROCESS_ENV, "1")  # each variant here, not in a child process (~4 s of imports)
     out = tmp_path / "gpu-limit.json"
     out.write_text(json.dumps({"extract": {"compiled_tokens_per_s": 1.0}, "train": {"note": "kept"}}))
     assert bench_train.main(["step-modes", "--quick", "--out", str(out), "--workdir", str(tmp_path / "work")]) == 0
