@@ -7,9 +7,10 @@ the last of them alone while the other has nothing left. Handing them out longes
 pytest-split does with its durations file) lets the short modules fill the gaps at the end.
 
 ``module_seconds.json`` holds each module's seconds from one measured run; a module it does not
-name counts as 0 (it goes last). Rebuild it from a run's ``--durations=0`` output:
+name counts as 0 (it goes last). Rebuild it from a run's ``--durations=0`` output, serial or on
+the two workers (only the modules' order matters, and two workers slow every module alike):
 
-    python -m pytest -n 0 --durations=0 > /tmp/durations.log
+    python -m pytest -n 2 --dist loadfile --durations=0 > /tmp/durations.log
     python -m tests.support.schedule /tmp/durations.log
 """
 
