@@ -26,7 +26,7 @@ RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 # Set by the CPU smoke tests: a benchmark's steps run in the calling process instead of processes
 # of their own. On a GPU the steps' own processes are the point (each run starts from a clean
 # device and a cold compile cache); on 2 CPU cores a process costs ~3.5 s of torch and
-# transformers imports, most of a tiny step. bench_extract's default-mode smoke run keeps the processes.
+# transformers imports, most of a tiny step. tests/benchmarks/test_common.py runs a step both ways.
 STEPS_IN_PROCESS_ENV = "HSSTORE_BENCH_STEPS_IN_PROCESS"
 
 

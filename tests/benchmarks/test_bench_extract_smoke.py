@@ -27,28 +27,23 @@ def test_tiny_cpu_run_compares_extraction_with_the_bare_forward(tmp_path: Path, 
     assert "| small (float32, bf16) |" in capsys.readouterr().out
 
 
-def run_in_process(argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
-                   steps_in_process: bool = True) -> str:
+def run_in_process(argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> str:
     """``python -m benchmarks.bench_extract ARGV``'s ``main`` in this process (~4 s of imports and
-    Ray's version check saved a run). Its steps (prepare, bare, each extraction) run here too
-    (``STEPS_IN_PROCESS_ENV``: ~3.5 s of imports saved a step), unless ``steps_in_process`` is
-    False: then they start ``python -m`` processes of their own, as on a GPU, which find the
-    checkout as the driver's process did. Its stdout."""
+    Ray's version check saved a run). Its steps (prepare, bare, each extraction), which start
+    processes of their own on a GPU, run here too (``STEPS_IN_PROCESS_ENV``: ~3.5 s of imports
+    saved a step). Its stdout."""
     from benchmarks import bench_extract
     from benchmarks.common import STEPS_IN_PROCESS_ENV
 
     monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT))
-    if steps_in_process:
-        monkeypatch.setenv(STEPS_IN_PROCESS_ENV, "1")
-    else:
-        monkeypatch.delenv(STEPS_IN_PROCESS_ENV, raising=False)
+    monkeypatch.setenv(STEPS_IN_PROCESS_ENV, "1")
     capsys.readouterr()
     assert bench_extract.main(argv) == 0
     return capsys.readouterr().out
 
 
 def run_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
-             *extra: str, steps_in_process: bool = True) -> tuple[str, dict]:
+             *extra: str) -> tuple[str, dict]:
     """The benchmark at a tiny size on the CPU; its stdout and the extract-h200.json it wrote."""
     argv = [
         "ray", "run", "--shape", "small", "--device", "cpu",
@@ -56,16 +51,16 @@ def run_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: py
         "--max-length-cap", "256", "--token-budget", "512", "--unit-tokens", "1024", "--disk-gib", "0.005",
         "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), *extra,
     ]
-    stdout = run_in_process(argv, capsys, monkeypatch, steps_in_process)
+    stdout = run_in_process(argv, capsys, monkeypatch)
     return stdout, json.loads((tmp_path / "out" / "extract-h200.json").read_text())
 
 
 @pytest.mark.slow
 def test_tiny_cpu_run_writes_the_issue_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    # One extraction run (fp8-1's key is the sequence test's). Each step a process of its own, as
-    # on a GPU: the one smoke run that starts them (the others run their steps in this process).
-    stdout, results = run_tiny(tmp_path, capsys, monkeypatch, "--runs", "bf16-1", steps_in_process=False)
+    # One extraction run (fp8-1's key is the sequence test's). Its steps run in this process, as
+    # every smoke run's here; tests/benchmarks/test_common.py runs a step both ways.
+    stdout, results = run_tiny(tmp_path, capsys, monkeypatch, "--runs", "bf16-1")
     assert results["bare_tokens_per_s"] > 0 and results["disk_gb_per_s"] > 0
     assert results["ray"]["bf16"]["gpus_1"] > 0
     assert results["ray"]["fp8_e4m3"]["gpus_1"] is None and results["ray"]["bf16"]["gpus_2"] is None  # not run

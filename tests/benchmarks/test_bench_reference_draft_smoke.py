@@ -1,5 +1,5 @@
-"""``python -m benchmarks.bench_evaluate reference-draft`` at a tiny size: three exported (untrained) drafts decode a
-prompt, and the report holds the keys issue 28 names (the numbers are measured in RESULTS.md)."""
+"""``python -m benchmarks.bench_evaluate reference-draft`` at a tiny size: exported (untrained) drafts of two rungs
+decode a prompt, and the report holds the keys issue 28 names (the numbers are measured in RESULTS.md)."""
 
 from __future__ import annotations
 
@@ -27,17 +27,18 @@ def export_untrained(folder: Path, seed: int, draft_vocab_size: int = 512) -> No
     export_draft(project, "eagle3", folder, dtype="float32")
 
 
-def test_the_ladder_decodes_every_rung_and_reports_the_issue_keys(tmp_path: Path) -> None:
+def test_the_ladder_decodes_its_rungs_and_reports_the_issue_keys(tmp_path: Path) -> None:
     from benchmarks import bench_evaluate
-    from benchmarks.evaluate.reference_draft import RUNGS
 
-    for seed, rung in enumerate(RUNGS):
+    # The two rungs the report needs (raw, and greedy: the shipped one); every rung decodes alike.
+    rungs = ("raw", "greedy")
+    for seed, rung in enumerate(rungs):
         export_untrained(tmp_path / f"export-{rung}", seed)
         (tmp_path / f"export-{rung}" / "metrics.jsonl").write_text(
             json.dumps({"step": 5, "loss": 3.0}) + "\n" + json.dumps({"step": 6, "loss": 2.5}) + "\n"
         )
         (tmp_path / f"export-{rung}" / "store-info.txt").write_text("store      x\nsamples    1,234\ntokens     56,789\n")
-    common = ["--drafts", str(tmp_path), "--limit", "1", "--max-new-tokens", "4"]
+    common = ["--drafts", str(tmp_path), "--limit", "1", "--max-new-tokens", "4", "--rungs", ",".join(rungs)]
     assert bench_evaluate.main(["reference-draft", *common]) == 0
     out = tmp_path / "reference-draft.json"
     out.write_text(json.dumps({"acceptance_ceiling": {"kept": True}, "al_tree_t0": 0.0}))  # an earlier file
@@ -47,5 +48,5 @@ def test_the_ladder_decodes_every_rung_and_reports_the_issue_keys(tmp_path: Path
     for key in ("al_tree_t0", "al_chain5_t0", "al_tree_t1", "raw_data_al_tree_t0"):
         assert report[key] >= 1.0
     assert report["steps"] == 6 and report["train_records"] == 1234
-    assert set(report["ladder"]) == set(RUNGS)
+    assert set(report["ladder"]) == set(rungs)
     assert report["ladder"]["raw"]["train_tokens"] == 56789
