@@ -196,7 +196,8 @@ def store_path(args: argparse.Namespace, name: str) -> Path:
 
 def extract(args: argparse.Namespace, name: str, env: dict[str, str] | None = None, **settings: Any) -> dict[str, Any]:
     """``hsstore extract`` of run ``name`` in its own process (``env``: its environment, default
-    this one's); its summary, with the process's seconds and the store's GB/s written."""
+    this one's; ``run_python_module``); its summary, with the process's seconds and the store's GB/s
+    written."""
     recipe = write_recipe(args, name, **settings)
     shutil.rmtree(store_path(args, name), ignore_errors=True)
     log(f"extract {name} ({settings})")
@@ -230,8 +231,9 @@ def last_json_object(text: str) -> dict[str, Any]:
 
 
 def step(args: argparse.Namespace, name: str, *extra: str, mode: str = "ray") -> dict[str, Any]:
-    """Run a step of this script (of bench_extract's ``mode``) in its own process; it prints one
-    JSON line last."""
+    """Run a step of this script (of bench_extract's ``mode``) in its own process (in this one
+    where the smoke tests say so: ``benchmarks.common.run_python_module``); it prints one JSON line
+    last."""
     argv = [mode, name, "--work", args.work, "--shape", args.shape, "--device", args.device,
             "--token-budget", str(args.token_budget), "--unit-tokens", str(args.unit_tokens),
             "--max-length-cap", str(args.max_length_cap), "--split-records", str(args.split_records),
