@@ -31,17 +31,19 @@ STEPS_IN_PROCESS_ENV = "HSSTORE_BENCH_STEPS_IN_PROCESS"
 
 
 def run_python_module(
-    module: str, argv: list[str], env: dict[str, str] | None = None, log: Path | None = None
+    module: str, argv: list[str], env: dict[str, str] | None = None, log: Path | None = None,
+    timeout: float | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``python -m MODULE ARGV`` from the repository root (``env``: its whole environment, default
-    this one's): its exit code and output, or with ``log`` its stdout and stderr into that file.
-    In this process (``MODULE.main(ARGV)``, ``env`` set for the call) when ``STEPS_IN_PROCESS_ENV``
-    is set."""
+    this one's; ``timeout``: ``subprocess.TimeoutExpired`` past it): its exit code and output, or
+    with ``log`` its stdout and stderr into that file. In this process (``MODULE.main(ARGV)``,
+    ``env`` set for the call, no timeout) when ``STEPS_IN_PROCESS_ENV`` is set."""
     if not os.environ.get(STEPS_IN_PROCESS_ENV):
+        command = [sys.executable, "-m", module, *argv]
         if log is None:
-            return subprocess.run([sys.executable, "-m", module, *argv], cwd=REPO_ROOT, capture_output=True, text=True, env=env)
+            return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=timeout)
         with open(log, "w", encoding="utf-8") as out:
-            done = subprocess.run([sys.executable, "-m", module, *argv], cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+            done = subprocess.run(command, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout)
         return subprocess.CompletedProcess(done.args, done.returncode, "", "")
     import contextlib
     import io

@@ -38,7 +38,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -46,13 +45,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import (
-    REPO_ROOT,
-    STEPS_IN_PROCESS_ENV,
-    run_python_module,
-    update_section,
-    write_results,
-)
+from benchmarks.common import run_python_module, update_section, write_results
 from benchmarks.train.profile_step import StepVariant, measure_matmul_tflops, run_variant
 
 SECTION = "train"
@@ -106,19 +99,16 @@ def _variant_in_child(args: argparse.Namespace, text: str, timeout_s: float, pea
     memory) does not take the next variants with it."""
     with tempfile.TemporaryDirectory() as tmp:
         row_file = Path(tmp) / "row.json"
-        command = [sys.executable, "-m", "benchmarks.bench_train", "step-modes", "--part", "variant", "--variant", text,
-                   "--device", args.device, "--shape", args.shape, "--tokens", str(args.tokens), "--rows", str(args.rows),
-                   "--draft-vocab", str(args.draft_vocab), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--row-out", str(row_file)]
+        argv = ["step-modes", "--part", "variant", "--variant", text,
+                "--device", args.device, "--shape", args.shape, "--tokens", str(args.tokens), "--rows", str(args.rows),
+                "--draft-vocab", str(args.draft_vocab), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                "--row-out", str(row_file)]
         if peak:
-            command += ["--peak-tflops", str(peak)]
+            argv += ["--peak-tflops", str(peak)]
         # perf_hints: why inductor declined to capture CUDA graphs, if it did.
         env = {**os.environ, "TORCH_LOGS": os.environ.get("TORCH_LOGS", "perf_hints")}
         try:
-            if os.environ.get(STEPS_IN_PROCESS_ENV):  # the CPU smoke test (benchmarks/common.py)
-                proc = run_python_module("benchmarks.bench_train", command[3:], env)
-            else:
-                proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=REPO_ROOT, env=env)
+            proc = run_python_module("benchmarks.bench_train", argv, env, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return {"variant": text, "error": f"timeout: no result within {timeout_s:.0f} s (compilation included)"}
         if proc.returncode != 0 or not row_file.exists():

@@ -32,7 +32,7 @@ def test_the_ceiling_runs_every_stage_and_merges_its_report(tmp_path: Path, monk
     from benchmarks.common import STEPS_IN_PROCESS_ENV
 
     # generate, extract and train through the CLI's main in this process, not three processes
-    # (~3.5 s of imports each; bench_extract's smoke test runs that helper's process path).
+    # (~3.5 s of imports each; tests/benchmarks/test_common.py runs a step both ways).
     monkeypatch.setenv(STEPS_IN_PROCESS_ENV, "1")
 
     sources, work, shipped = tmp_path / "sources", tmp_path / "work", tmp_path / "shipped"
