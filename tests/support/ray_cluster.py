@@ -38,6 +38,11 @@ from tests.support.paths import REPO_ROOT
 HEAD_NUM_CPUS = 1
 OBJECT_STORE_BYTES = 80 * 1024 * 1024  # ShardRecords are all that travels through it
 START_TIMEOUT_S = 90.0
+# A raylet starts one idle Python worker per CPU when it starts and again when the first driver
+# connects; the tests' actors seldom take them, and each costs ~0.4 CPU-s of imports on a 2-core
+# machine. Off for every Ray the tests start (tests/conftest.py sets it for the whole run) and
+# every node of a cluster here.
+RAY_LEAN_ENV = {"RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver": "0"}
 
 
 class ClusterError(RuntimeError):
@@ -91,6 +96,7 @@ class LocalRayCluster:
             "RAY_health_check_failure_threshold": "8",
             # A raylet registering with a busy GCS may take longer than the default 30 s.
             "RAY_raylet_start_wait_time_s": "120",
+            **RAY_LEAN_ENV,
             **(env or {}),
             **self.auth_env(),
         }
@@ -137,13 +143,15 @@ class LocalRayCluster:
             f"--metrics-export-port={metrics}",
             f"--runtime-env-agent-port={runtime_env}",
             "--disable-usage-stats",
+            # Nothing here reads the nodes' logs or autoscales: two Python processes a node less.
+            "--include-log-monitor=false",
             "--block",
         ]
 
     def start_head(self) -> RayNode:
         args = [
             *self._ray(), "start", "--head", f"--port={self.gcs_port}", "--include-dashboard=false",
-            f"--temp-dir={self.temp_dir}",
+            "--no-monitor", f"--temp-dir={self.temp_dir}",
             *self._node_args(HEAD_NUM_CPUS, {}),
         ]  # fmt: skip
         head = RayNode("head", args)
