@@ -23,7 +23,6 @@ from tests.support.ray_cluster import RAY_LEAN_ENV
 from tests.support.schedule import longest_modules_first, recorded_seconds
 from tests.support.stores import extract_reference_store
 
-
 # Every Ray the suite starts (its own, the CLI's, a node's) without idle workers started ahead.
 for _name, _value in RAY_LEAN_ENV.items():
     os.environ.setdefault(_name, _value)
