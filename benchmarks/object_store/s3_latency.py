@@ -66,7 +66,6 @@ from benchmarks.object_store.cpus import cpu_use, pin, process_group, split_cpus
 from hsstore.storage.s3_reads import (
     BODIES,
     BODY_ENV_VAR,
-    REQUESTS_ENV_VAR,
     STREAM_PIECE_BYTES,
     ObstoreRangeReader,
     configured_body,
@@ -216,18 +215,14 @@ def replay(read: Callable[[_Range], int], ranges: list[_Range], threads: int) ->
     return {"seconds": seconds, "bytes": nbytes, "mb_per_s": nbytes / seconds / 1e6, **get_timing(get_seconds, seconds)}
 
 
-def loader_variant(name: str) -> tuple[int | None, int | None, str | None, float | None]:
-    """``THREADS[:REQUESTS][/BODY][@MS]`` (``default``, ``16``, ``48:32``, ``default/stream``,
-    ``32@0.5``...): read_threads (None: the loader's own), HSSTORE_S3_REQUESTS (the reader's GETs on
-    the wire at most; None: no cap), HSSTORE_S3_BODY (None: the default) and the interpreter's switch
-    interval in ms for the run (None: as it is, 5 ms unless set): issue 32's leads, A/B in one run."""
+def loader_variant(name: str) -> tuple[int | None, str | None, float | None]:
+    """``THREADS[/BODY][@MS]`` (``default``, ``16``, ``default/stream``, ``32@0.5``...): read_threads
+    (None: the loader's own), HSSTORE_S3_BODY (None: the default) and the interpreter's switch
+    interval in ms for the run (None: as it is, 5 ms unless set): issue 32's GIL lead, A/B in one run."""
     name_body, _, switch = name.partition("@")
-    threads_requests, _, body = name_body.partition("/")
-    threads, _, requests = threads_requests.partition(":")
+    threads, _, body = name_body.partition("/")
     if body and body not in BODIES:
         raise SystemExit(f"--loader-threads {name!r}: body {body!r} is not one of {', '.join(BODIES)}")
-    if requests and not (requests.isdigit() and int(requests) > 0):
-        raise SystemExit(f"--loader-threads {name!r}: the GETs in flight {requests!r} are not a whole number above 0")
     switch_s = None
     if switch:
         try:
@@ -236,7 +231,7 @@ def loader_variant(name: str) -> tuple[int | None, int | None, str | None, float
             switch_s = 0.0  # refused below, with the same message
         if switch_s <= 0:
             raise SystemExit(f"--loader-threads {name!r}: the switch interval {switch!r} is not a number of ms above 0")
-    return (None if threads == "default" else int(threads)), (int(requests) if requests else None), (body or None), switch_s
+    return (None if threads == "default" else int(threads)), (body or None), switch_s
 
 
 @contextlib.contextmanager
@@ -252,19 +247,18 @@ def switch_interval(seconds: float | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def environment(name: str, value: str | None) -> Iterator[None]:
-    """The environment variable ``name`` set to ``value`` (None: as it is) for the readers built
-    inside the block, restored after."""
-    before = os.environ.get(name)
-    if value is not None:
-        os.environ[name] = value
+def body_handling(body: str | None) -> Iterator[None]:
+    """HSSTORE_S3_BODY set to ``body`` for the readers built inside the block."""
+    before = os.environ.get(BODY_ENV_VAR)
+    if body is not None:
+        os.environ[BODY_ENV_VAR] = body
     try:
         yield
     finally:
         if before is None:
-            os.environ.pop(name, None)
+            os.environ.pop(BODY_ENV_VAR, None)
         else:
-            os.environ[name] = before
+            os.environ[BODY_ENV_VAR] = before
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -276,17 +270,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--token-budget", type=int, default=4096)
     parser.add_argument("--epochs", type=int, default=1, help="epochs per loader run")
     parser.add_argument("--loader-threads", default="default",
-                        help="loader runs, comma-separated THREADS[:REQUESTS][/BODY][@MS]: read_threads ('default': the loader's "
-                             "own for s3://), HSSTORE_S3_REQUESTS (GETs on the wire at most; unset: no cap), HSSTORE_S3_BODY "
-                             "(whole or stream; unset: whole) and the interpreter's switch interval in ms (unset: as it is), "
-                             "e.g. default,16,48:32,default/stream,32@0.5; the first is the headline")
+                        help="loader runs, comma-separated THREADS[/BODY][@MS]: read_threads ('default': the loader's own for "
+                             "s3://), HSSTORE_S3_BODY (whole or stream; unset: whole) and the interpreter's switch interval in ms "
+                             "(unset: as it is), e.g. default,16,default/stream,32@0.5; the first is the headline")
     parser.add_argument("--endpoint-cpus", type=int, default=None,
                         help="pin the endpoint's processes to the first N cores and this process to the rest "
                              "(unset: both share every core); each run records how busy each side was")
     parser.add_argument("--prefetch-batches", type=int, default=None, help="override the loader's default read-ahead")
     parser.add_argument("--ceiling-threads", default="16,32,64", help="concurrent bare GETs, comma-separated")
-    parser.add_argument("--ceiling-clients", default=None,
-                        help="the bare clients to run, comma-separated (unset: all; get_range is always run)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--deadline-s", type=float, default=None,
                         help="start no repeat that would end past this many seconds from the start (at least one runs)")
@@ -353,20 +344,14 @@ def main(argv: list[str] | None = None) -> int:
                 repeat_started = time.perf_counter()
                 names = list(variants)
                 for name in names[repeat % len(names):] + names[: repeat % len(names)]:  # each in every position
-                    threads, requests, body, switch_s = variants[name]
+                    threads, body, switch_s = variants[name]
                     settings = {**base, **({} if threads is None else {"read_threads": threads})}
                     s3.requests(reset=True)
-                    with (
-                        environment(BODY_ENV_VAR, body),
-                        environment(REQUESTS_ENV_VAR, None if requests is None else str(requests)),
-                        switch_interval(switch_s),
-                        cpu_use(sides) as cpu,
-                    ):
+                    with body_handling(body), switch_interval(switch_s), cpu_use(sides) as cpu:
                         run = read_with_loader(url, settings, args.epochs)
                         run["switch_interval_s"] = sys.getswitchinterval()
                     run["cpu"] = cpu
                     run["body"] = body or configured_body()
-                    run["requests_in_flight_cap"] = requests
                     run["requests"] = s3.requests(reset=True)
                     ranges = run.pop("ranges")
                     loader_runs[name].append(run)
@@ -374,8 +359,6 @@ def main(argv: list[str] | None = None) -> int:
                         tokens, replayed = run["tokens"], ranges
                     print(f"repeat {repeat}: loader ({name}) {run['tokens_per_s']:,.0f} tokens/s", flush=True)
                 for client, read in clients.items():
-                    if args.ceiling_clients and client != "get_range" and client not in args.ceiling_clients.split(","):
-                        continue
                     for threads in ceiling_threads:
                         with cpu_use(sides) as cpu:
                             bare = replay(read, replayed, threads)
@@ -418,7 +401,6 @@ def summarize(loader_runs: dict[str, list[dict[str, Any]]], ceiling_runs: dict[s
             "share_of_ceiling": round(med(runs, "tokens_per_s") / ceilings[best], 3),
             "read_threads": runs[0]["read_threads"],
             "body": runs[0].get("body"),
-            "requests_in_flight_cap": runs[0].get("requests_in_flight_cap"),
             "prefetch_batches": runs[0]["prefetch_batches"],
             "gets_per_run": int(med(runs, "gets")),
             "mean_get_bytes": round(med(runs, "get_bytes") / max(1, med(runs, "gets"))),

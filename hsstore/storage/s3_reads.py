@@ -64,12 +64,6 @@ STREAM_PIECE_BYTES = 1 << 20
 # tokens/s whole against 135k streamed (benchmarks/RESULTS.md, issue 32): ``whole`` by default.
 BODY_ENV_VAR = "HSSTORE_S3_BODY"
 BODIES = ("whole", "stream")
-# At most this many GETs of one reader on the wire at once (``HSSTORE_S3_REQUESTS``, read when a
-# reader is built; unset or 0: as many as threads call it). A slot is held from the request until
-# the body has arrived, not through the copy and checks that follow, so a loader with more read
-# threads than slots keeps the endpoint as busy as bare GETs from that many threads would while its
-# other threads copy and check (issue 32).
-REQUESTS_ENV_VAR = "HSSTORE_S3_REQUESTS"
 
 
 def _env_choice(name: str, choices: tuple[str, ...]) -> str:
@@ -83,14 +77,6 @@ def _env_choice(name: str, choices: tuple[str, ...]) -> str:
 def configured_body() -> str:
     """The body handling the environment asks for (``whole`` when unset)."""
     return _env_choice(BODY_ENV_VAR, BODIES)
-
-
-def configured_requests() -> int:
-    """The cap on a reader's GETs in flight the environment asks for (0: none)."""
-    value = os.environ.get(REQUESTS_ENV_VAR, "").strip() or "0"
-    if not value.isdigit():
-        raise ValueError(f"{REQUESTS_ENV_VAR}={value!r}: expected a whole number of GETs (0: no cap)")
-    return int(value)
 
 
 def configured_reader() -> str:
@@ -131,8 +117,6 @@ class ObstoreRangeReader:
         self.fs = fs
         self.config = _s3_config(storage_options)
         self.body = configured_body()
-        self.max_requests = configured_requests()
-        self._slots = threading.BoundedSemaphore(self.max_requests) if self.max_requests else contextlib.nullcontext()
         self._stores: dict[str, Any] = {}
         self._lock = threading.Lock()
 
@@ -165,7 +149,7 @@ class ObstoreRangeReader:
         import obstore
 
         bucket, _, key = path.partition("/")
-        with self._slots, _named_errors(path, start, end):
+        with _named_errors(path, start, end):
             return memoryview(obstore.get_range(self._store(bucket), key, start=start, end=end))
 
     def read_into(self, path: str, start: int, buffers: list[Any], on_filled: OnFilled | None = None) -> int:
@@ -186,7 +170,7 @@ class ObstoreRangeReader:
             return 0
         bucket, _, key = path.partition("/")
         end = start + filler.nbytes
-        with self._slots, _named_errors(path, start, end):  # a streamed body holds its slot throughout
+        with _named_errors(path, start, end):
             result = obstore.get(self._store(bucket), key, options={"range": (start, end)})
             body = memoryview(result.bytes()) if self.body == "whole" else None
             if body is None:

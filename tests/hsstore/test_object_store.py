@@ -364,35 +364,6 @@ def test_obstore_reader_gives_the_same_batches_as_local(
     assert s3.requests(reset=True).get("GET_ranged", 0) > 0  # obstore's GETs reached the endpoint
 
 
-def test_a_reader_keeps_at_most_its_cap_of_gets_on_the_wire(
-    stores: tuple[str, str], s3: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """HSSTORE_S3_REQUESTS=2 under six read threads: the endpoint never answers more than two of
-    the loader's GETs at once (with a distant endpoint's wait, six go out at once uncapped), and
-    the batches are the same."""
-    pytest.importorskip("obstore")
-    local, url = stores
-    monkeypatch.setenv("HSSTORE_RANGE_READER", "obstore")
-    settings = {**_settings(), "read_threads": 6, "prefetch_batches": 6}
-    expected = [_snapshot(b) for b in hsstore.StreamingLoader(local, FEATURES, **settings).batches(max_epochs=2)]
-    peaks = {}
-    s3.set_latency(30)
-    try:
-        for cap in ("", "2"):
-            monkeypatch.setenv("HSSTORE_S3_REQUESTS", cap)
-            loader = hsstore.StreamingLoader(url, FEATURES, **settings)  # the store opened, uncapped
-            s3.requests(reset=True)
-            got = [_snapshot(b) for b in loader.batches(max_epochs=2)]
-            _assert_same(expected, got)
-            peaks[cap] = s3.requests(reset=True)["peak_obstore_in_flight"]  # s3fs reads the shards' tables
-    finally:
-        s3.set_latency(0)
-    assert peaks["2"] <= 2 < peaks[""], peaks
-    monkeypatch.setenv("HSSTORE_S3_REQUESTS", "two")
-    with pytest.raises(ValueError, match="HSSTORE_S3_REQUESTS='two'"):
-        hsstore.StreamingLoader(url, FEATURES, **settings)
-
-
 def test_the_default_reader_is_obstore_on_s3_where_every_option_maps(aws_env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("obstore")
     from hsstore.storage import StoreLocation

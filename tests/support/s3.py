@@ -66,9 +66,7 @@ DUMMY_KEYS = {
 
 
 class _Counting:
-    """WSGI middleware: counts requests per method and the bytes sent back, and the most requests
-    being answered at once (``peak_in_flight``, the added latency included; ``peak_obstore_in_flight``
-    of obstore's alone, the loader's range reader, by its User-Agent), in shared memory so
+    """WSGI middleware: counts requests per method and the bytes sent back, in shared memory so
     that the processes of a frozen endpoint (MotoS3.freeze) count together; answers the count and
     freeze paths; refuses writes once frozen."""
 
@@ -78,8 +76,6 @@ class _Counting:
         self.app = app
         self.latency = latency
         self.counts = multiprocessing.get_context("fork").Array("q", len(COUNTED))  # with its lock
-        # [all now, all peak, obstore's now, obstore's peak], the peaks since the last reset
-        self.in_flight = multiprocessing.get_context("fork").Array("q", 4)
         self.freeze_to: int = 0  # set by a freeze request: the processes to fork into
         self.frozen = False
         self.on_freeze: Any = None  # the server's shutdown, set by serve()
@@ -94,17 +90,7 @@ class _Counting:
             values = dict(zip(COUNTED, self.counts[:], strict=True))
             if reset:
                 self.counts[:] = [0] * len(COUNTED)
-        with self.in_flight.get_lock():
-            values["peak_in_flight"], values["peak_obstore_in_flight"] = self.in_flight[1], self.in_flight[3]
-            if reset:
-                self.in_flight[1], self.in_flight[3] = self.in_flight[0], self.in_flight[2]
         return {name: value for name, value in values.items() if value}
-
-    def _enter(self, step: int, obstore: bool) -> None:
-        with self.in_flight.get_lock():
-            for now in (0, 2) if obstore else (0,):
-                self.in_flight[now] += step
-                self.in_flight[now + 1] = max(self.in_flight[now + 1], self.in_flight[now])
 
     def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
         path = environ.get("PATH_INFO")
@@ -133,17 +119,12 @@ class _Counting:
                 "write would reach one of them only. Write everything before freeze().",
             )
         self.add(**{method if method in COUNTED else "other": 1}, GET_ranged=int("HTTP_RANGE" in environ))
-        obstore = environ.get("HTTP_USER_AGENT", "").startswith("object_store/")
-        self._enter(1, obstore)
-        try:
-            chunks = self.app(environ, start_response)
-            sent = 0
-            out = []
-            for chunk in chunks:
-                sent += len(chunk)
-                out.append(chunk)
-        finally:
-            self._enter(-1, obstore)
+        chunks = self.app(environ, start_response)
+        sent = 0
+        out = []
+        for chunk in chunks:
+            sent += len(chunk)
+            out.append(chunk)
         self.add(response_bytes=sent)
         return out
 
@@ -409,8 +390,7 @@ class MotoS3:
         s3fs.S3FileSystem.clear_instance_cache()
 
     def requests(self, reset: bool = False) -> dict[str, int]:
-        """Requests served since the last reset, by method (plus ``GET_ranged``, ``response_bytes``
-        and the most answered at once: ``peak_in_flight``, ``peak_obstore_in_flight``)."""
+        """Requests served since the last reset, by method (plus ``GET_ranged`` and ``response_bytes``)."""
         url = self.endpoint + COUNTS_PATH + ("?reset=1" if reset else "")
         with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - loopback only
             return {key: int(value) for key, value in json.loads(response.read()).items()}
