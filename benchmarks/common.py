@@ -37,7 +37,8 @@ def run_python_module(
     """``python -m MODULE ARGV`` from the repository root (``env``: its whole environment, default
     this one's; ``timeout``: ``subprocess.TimeoutExpired`` past it): its exit code and output, or
     with ``log`` its stdout and stderr into that file. In this process (``MODULE.main(ARGV)``,
-    ``env`` set for the call, no timeout) when ``STEPS_IN_PROCESS_ENV`` is set."""
+    ``env`` as the environment for the call, this one's restored after; no timeout) when
+    ``STEPS_IN_PROCESS_ENV`` is set."""
     if not os.environ.get(STEPS_IN_PROCESS_ENV):
         command = [sys.executable, "-m", module, *argv]
         if log is None:
@@ -50,7 +51,9 @@ def run_python_module(
 
     stdout, stderr = io.StringIO(), io.StringIO()
     saved = dict(os.environ)
-    os.environ.update(env or {})
+    if env is not None:  # the step's whole environment, as a child process would get it
+        os.environ.clear()
+        os.environ.update(env)
     try:
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stdout if log else stderr):
             code = importlib.import_module(module).main(argv)
