@@ -39,8 +39,9 @@ def _mismatch(store: Store, field: str, stored: Any, found: Any, where: str, hin
 
 
 def choose_teacher(store: Store, requested: TeacherChoice) -> TeacherMode:
-    """The teacher mode to train with: ``requested``, or with ``auto`` the best the store holds
-    (the exact final state first, then top-k, then dense draft probabilities)."""
+    """The teacher mode to train with: ``requested``, or with ``auto`` the best distribution of the
+    target the store holds (the exact final state first, then top-k, then dense draft
+    probabilities; never ``tokens``, the data's own labels, which must be asked for)."""
     present = set(store.features)
     if requested != "auto":
         mode = TeacherMode(requested)
@@ -52,7 +53,7 @@ def choose_teacher(store: Store, requested: TeacherChoice) -> TeacherMode:
             )
         return mode
     for mode in TeacherMode:  # declared in order of preference
-        if all(name in present for name in mode.features):
+        if mode.from_target and all(name in present for name in mode.features):
             return mode
     raise LineageMismatchError(
         f"{store.url}: holds no target distribution (final_hidden_state, topk_logits/topk_ids or "

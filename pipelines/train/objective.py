@@ -129,7 +129,7 @@ class DraftObjective(nn.Module):
             needed = None if mode.whole_step else shift_left(loss_mask_BT.bool(), 1, False)
             teacher, valid = teacher_rows(
                 self.teacher_mode, features, d2t=self.draft.d2t, t2d=self.draft.t2d, head=self.teacher_head,
-                needed_BT=needed,
+                needed_BT=needed, input_ids_BT=input_ids_BT,
             )
         out = ttt_forward(
             self.draft, features[AUX], input_ids_BT, position_ids_BT, loss_mask_BT, teacher, valid,

@@ -16,6 +16,9 @@ Three store features can carry the target's distribution (``hsstore.aux_layers``
   Stored un-renormalised, the missing mass ``1 - sum`` bounds every outside token's probability,
   so the argmax is certainly inside iff ``max >= 1 - sum``; a store that renormalised them has
   no missing mass and every position counts as valid.
+
+``teacher: tokens`` is not the target's: one-hot labels on the records' own next tokens
+(:class:`TokenTeacherRows`).
 """
 
 from __future__ import annotations
@@ -141,6 +144,8 @@ def build_teacher(
                 "the store was extracted with another draft vocabulary"
             )
         return teacher_from_draft_probs(probs)
+    if mode == TeacherMode.TOKENS:
+        raise ValueError("teacher mode 'tokens' reads the batch's input_ids: use teacher_rows(..., input_ids_BT=)")
     raise ValueError(f"unknown teacher mode {mode!r} ({', '.join(TeacherMode)})")
 
 
@@ -260,6 +265,30 @@ class FinalHiddenTeacherRows:
         return torch.softmax(self.logits(rows_N, dtype), dim=-1)
 
 
+class TokenTeacherRows:
+    """The data's own labels (``teacher: tokens``): row j is one-hot on the record's token j + 1,
+    the token the target's distribution at j would predict; built per chunk of rows, so no
+    ``[positions, vocabulary]`` tensor is ever whole. Valid where that token exists in the row and
+    lies in the draft vocabulary (the draft could never propose another)."""
+
+    def __init__(self, input_ids_BT: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        device = input_ids_BT.device
+        V_draft = d2t.shape[0]
+        target_to_draft = torch.full((t2d.shape[0],), -1, dtype=torch.long, device=device)
+        target_to_draft[draft_vocab_ids(d2t.to(device))] = torch.arange(V_draft, device=device)
+        next_ids_BT = torch.roll(input_ids_BT.long(), -1, dims=1)
+        next_draft_BT = target_to_draft[next_ids_BT.clamp(0, t2d.shape[0] - 1)]
+        next_draft_BT[:, -1] = -1  # a row's last position has no next token in the row
+        self.next_draft_N = next_draft_BT.reshape(-1)
+        self.valid_BT = next_draft_BT >= 0
+        self.vocab_size = V_draft
+
+    def probs(self, rows_N: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ids = self.next_draft_N[rows_N]
+        out = torch.zeros(ids.shape[0], self.vocab_size, dtype=dtype, device=ids.device)
+        return out.scatter_(1, ids.clamp(min=0)[:, None], (ids >= 0).to(dtype)[:, None])
+
+
 def teacher_rows(
     mode: TeacherMode,
     features: Mapping[str, torch.Tensor],
@@ -268,11 +297,17 @@ def teacher_rows(
     t2d: torch.Tensor,
     head: TeacherHead | None = None,
     needed_BT: torch.Tensor | None = None,
-) -> tuple[DenseTeacherRows | FinalHiddenTeacherRows, torch.Tensor]:
+    input_ids_BT: torch.Tensor | None = None,
+) -> tuple[DenseTeacherRows | FinalHiddenTeacherRows | TokenTeacherRows, torch.Tensor]:
     """``(rows, valid_BT)`` for the training loss. ``final_hidden`` streams rows from the final
     state through ``head`` (at the ``needed_BT`` positions only, when given: see
     :class:`FinalHiddenTeacherRows`); the compact modes (top-k, draft probabilities) are small per
-    position already and go through the dense builders above."""
+    position already and go through the dense builders above; ``tokens`` reads ``input_ids_BT``."""
+    if mode == TeacherMode.TOKENS:
+        if input_ids_BT is None:
+            raise ValueError("teacher mode 'tokens' needs the batch's input_ids")
+        tokens = TokenTeacherRows(input_ids_BT, d2t, t2d)
+        return tokens, tokens.valid_BT
     if mode == TeacherMode.FINAL_HIDDEN:
         if head is None:
             raise ValueError("teacher mode 'final_hidden' needs a TeacherHead (the target's lm_head)")

@@ -340,6 +340,7 @@ def _summary(run: TrainingRun, interrupted: bool, final_path: Path, last_log: di
         "interrupted": interrupted,
         "world_size": dist_state.world_size,
         "compile": recipe.compile,  # the mode this run used (compile: auto resolved at setup)
+        "teacher": run.teacher.value,  # what the labels were (teacher: auto resolved against the store)
         "tokens": int(totals["tokens"]),
         "tokens_per_s": totals["tokens"] / wall_s,
         "data_wait_frac": totals["wait_s"] / (wall_s * dist_state.world_size),

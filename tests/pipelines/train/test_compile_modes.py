@@ -253,6 +253,21 @@ def test_graph_mode_with_fp8_runs_but_says_it_re_records(caplog: pytest.LogCaptu
     assert "re-records its CUDA graphs at every step" in caplog.text and "compile: auto picks step" in caplog.text
 
 
+def test_traced_step_equals_eager_with_the_records_own_tokens_as_labels() -> None:
+    """``teacher: tokens`` (one-hot on each next token, invalid outside the draft vocabulary and at
+    a row's end) traces into the whole step and equals eager."""
+    torch._dynamo.reset()
+    draft = ttt_draft()
+    _, (features, ids, pos, loss_mask, docs) = _final_hidden_inputs(draft, seed=6)
+    inputs = ({"aux_hidden_states": features["aux_hidden_states"]}, ids, pos, loss_mask, docs)
+    eager = DraftObjective(draft, TeacherMode.TOKENS, None, ttt_length=3, attention="eager")
+    want = _step(eager, inputs)
+    assert 0 < want[1][0] < ids.numel(), "some positions must be unscored (mask, vocabulary)"
+    compiled = DraftObjective(draft, TeacherMode.TOKENS, None, ttt_length=3, compile="step",
+                              compile_backend="aot_eager")
+    _assert_same_step(_step(compiled, inputs), want)
+
+
 # ---- the GPU -----------------------------------------------------------------------------------
 
 

@@ -58,6 +58,8 @@ def test_matching_store_passes(tmp_path: Path, good_lineage: hsstore.Lineage) ->
     assert choose_teacher(store, TeacherMode.FINAL_HIDDEN) is TeacherMode.FINAL_HIDDEN
     with pytest.raises(LineageMismatchError, match=r"teacher 'topk' needs feature\(s\) \['topk_logits', 'topk_ids'\]"):
         choose_teacher(store, TeacherMode.TOPK)
+    # The data's own labels need no stored feature; `auto` never falls back to them.
+    assert choose_teacher(store, "tokens") is TeacherMode.TOKENS
 
 
 def test_other_aux_layers_are_refused(tmp_path: Path, good_lineage: hsstore.Lineage) -> None:

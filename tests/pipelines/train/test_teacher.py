@@ -11,6 +11,7 @@ from pipelines.train.teacher import (
     teacher_from_draft_probs,
     teacher_from_final_hidden,
     teacher_from_topk,
+    teacher_rows,
 )
 from pipelines.train.teacher_mode import TeacherMode
 from pipelines.train.vocab import DraftVocab
@@ -102,5 +103,28 @@ def test_build_teacher_dispatch_and_errors(setup):
         build_teacher(
             TeacherMode.DRAFT_PROBS, {"draft_probs": torch.rand(1, 2, 5)}, d2t=vocab.d2t, t2d=vocab.t2d
         )
-    with pytest.raises(ValueError, match="unknown teacher mode 'logits' \\(final_hidden, topk, draft_probs\\)"):
+    with pytest.raises(ValueError, match="unknown teacher mode 'logits' \\(final_hidden, topk, draft_probs, tokens\\)"):
         build_teacher("logits", {}, d2t=vocab.d2t, t2d=vocab.t2d)  # type: ignore[arg-type]
+
+
+def test_tokens_teacher_is_one_hot_on_the_next_token_inside_the_draft_vocabulary(setup):
+    """``teacher: tokens``: row j is one-hot on token j + 1; a row's last position and a next token
+    outside the draft vocabulary are invalid. On a target's greedy answer the labels are the final
+    state teacher's argmax wherever that teacher is valid: the data's labels then equal the target's."""
+    lm_head, hidden, vocab = setup
+    greedy_BT = (hidden @ lm_head.T).argmax(-1)  # token j is the target's argmax at j
+    input_ids = torch.cat([torch.zeros(3, 1, dtype=torch.long), greedy_BT[:, :-1]], dim=1)
+    rows, valid = teacher_rows(TeacherMode.TOKENS, {}, d2t=vocab.d2t, t2d=vocab.t2d, input_ids_BT=input_ids)
+    inside = vocab.t2d[input_ids]
+    assert torch.equal(valid[:, :-1], inside[:, 1:]) and not valid[:, -1].any()
+    assert valid.any() and not valid.all()
+    probs = rows.probs(torch.arange(3 * 7), torch.float32).reshape(3, 7, V_DRAFT)
+    assert torch.equal(probs.sum(-1), valid.float())
+    draft_ids = vocab.target_ids[probs.argmax(-1)]
+    assert torch.equal(draft_ids[valid], input_ids.roll(-1, dims=1)[valid])
+    exact = teacher_from_final_hidden(hidden, lm_head, vocab.d2t, vocab.t2d)
+    both = valid & exact.valid_BT
+    assert both.any()
+    assert torch.equal(probs.argmax(-1)[both], exact.probs_BTV.argmax(-1)[both])
+    with pytest.raises(ValueError, match="needs the batch's input_ids"):
+        teacher_rows(TeacherMode.TOKENS, {}, d2t=vocab.d2t, t2d=vocab.t2d)

@@ -230,3 +230,18 @@ def test_loss_normalization_tokens(reference_store: str, tmp_path: Path) -> None
     assert scored["positions"] == tokens["positions"] and scored["tokens"] == tokens["tokens"]
     assert tokens["loss"] < scored["loss"]
     assert max(scored["positions"]) <= scored["tokens"]
+
+
+def test_teacher_tokens_trains_on_the_records_own_labels(reference_store: str, tmp_path: Path) -> None:
+    """``teacher: tokens`` trains on the data's next tokens (no target distribution read): the run
+    records the mode, and it scores no more positions than the target's teacher would (a next token
+    outside the draft vocabulary is left out, as an outside argmax is)."""
+    import math
+
+    summaries, first = {}, {}
+    for mode in ("final_hidden", "tokens"):
+        summaries[mode] = run_training(small_recipe(reference_store, tmp_path / mode, max_steps=1, teacher=mode))
+        first[mode] = read_metrics(tmp_path / mode)[0]
+    assert summaries["tokens"]["teacher"] == "tokens" and summaries["final_hidden"]["teacher"] == "final_hidden"
+    assert math.isfinite(first["tokens"]["loss"]) and first["tokens"]["tokens"] == first["final_hidden"]["tokens"]
+    assert 0 < first["tokens"]["positions"][0] <= first["final_hidden"]["tokens"]

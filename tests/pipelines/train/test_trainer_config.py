@@ -76,9 +76,11 @@ def test_warmup_then_cosine() -> None:
 
 
 def test_teacher_modes_are_one_enum_with_the_store_features() -> None:
-    # Every mode names the features hsstore says carry it, in the order ``auto`` prefers them.
-    assert [mode.value for mode in TeacherMode] == ["final_hidden", "topk", "draft_probs"]
-    assert set(TeacherMode) == set(TEACHER_FEATURES)
+    # Every mode of the target's distribution names the features hsstore says carry it, in the
+    # order ``auto`` prefers them; ``tokens`` (the data's labels) reads none and comes last.
+    assert [mode.value for mode in TeacherMode] == ["final_hidden", "topk", "draft_probs", "tokens"]
+    assert {mode for mode in TeacherMode if mode.from_target} == set(TEACHER_FEATURES)
+    assert TeacherMode.TOKENS.features == () and not TeacherMode.TOKENS.from_target
     assert TeacherMode.TOPK.features == ("topk_logits", "topk_ids")
     recipe = build_recipe(TrainRecipe, {**BASE, "teacher": "topk"})
     assert recipe.teacher is TeacherMode.TOPK and recipe.model_dump(mode="json")["teacher"] == "topk"
