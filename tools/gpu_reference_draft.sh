@@ -19,6 +19,10 @@
 #     GEN_SECONDS=200 BENCH_SECONDS=0 bash tools/gpu_reference_draft.sh generate
 #   STEPS=1200 TRAIN_DEADLINE=330 RUNGS="raw greedy t1" GREEDY_DATA=$LADDER_DIR/gen-greedy-0,$LADDER_DIR/gen-greedy-1 \
 #     T1_DATA=$LADDER_DIR/gen-t1-0,$LADDER_DIR/gen-t1-1 bash tools/gpu_reference_draft.sh train
+# The labels' ladder (LOG, 2026-12-06): a rung "<data>-tokens" trains <data>'s store with the
+# records' own next tokens as labels (`teacher: tokens`) instead of the target's distribution:
+#   STEPS=1200 TRAIN_DEADLINE=480 RUNGS="raw greedy raw-tokens greedy-tokens" \
+#     GREEDY_DATA=$LADDER_DIR/gen-greedy-0,$LADDER_DIR/gen-greedy-1 bash tools/gpu_reference_draft.sh train
 # The acceptance lengths are then measured on the CPU (python3 -m benchmarks.bench_evaluate reference-draft).
 # The ceiling against a raw-data draft (LOG, 2026-12-04), after `bench_evaluate ceiling --work W
 # --stages probe,generate,extract` here:
@@ -116,9 +120,12 @@ PY
     )
     data[mixed]="${data[raw]},${data[greedy]}"  # every prompt twice: its file's text and the target's answer
     rungs=${RUNGS:-raw greedy t1}
-    for rung in $rungs; do
-      hs extract recipes/reference/extract.yaml --set "data=[${data[$rung]}]" --set "store=$W/store-$rung" \
-        --set executor=local --set allow_unfinished_generation=true ${EXTRACT_ARGS:-} > "$OUT/extract-$rung.log" 2>&1 &
+    # A rung <data>-tokens trains on <data>'s store with `teacher: tokens` (the records' own next
+    # tokens as labels, not the target's distribution): one store per data, extracted once.
+    stores=$(for rung in $rungs; do echo "${rung%-tokens}"; done | sort -u)
+    for name in $stores; do
+      hs extract recipes/reference/extract.yaml --set "data=[${data[$name]}]" --set "store=$W/store-$name" \
+        --set executor=local --set allow_unfinished_generation=true ${EXTRACT_ARGS:-} > "$OUT/extract-$name.log" 2>&1 &
     done
     wait
     tail -n 6 "$OUT"/extract-*.log
@@ -127,10 +134,11 @@ PY
     # call inside its limit, and the export then takes the newest step that every rung reached
     # (equal steps), from checkpoints every 250 steps, all kept.
     for rung in $rungs; do
+      teacher=auto; [ "$rung" != "${rung%-tokens}" ] && teacher=tokens
       timeout $(( ${TRAIN_DEADLINE:-520} - SECONDS )) python3 -m pipelines.cli train \
-        recipes/reference/train-reference-draft.yaml --set "store=$W/store-$rung" \
+        recipes/reference/train-reference-draft.yaml --set "store=$W/store-${rung%-tokens}" \
         --set "output_dir=$W/draft-$rung" --set "max_steps=$STEPS" --set checkpoint_every=250 \
-        --set keep_checkpoints=1000 ${TRAIN_ARGS:-} > "$OUT/train-$rung.log" 2>&1 &
+        --set keep_checkpoints=1000 --set teacher=$teacher ${TRAIN_ARGS:-} > "$OUT/train-$rung.log" 2>&1 &
     done
     wait
     common=$STEPS
@@ -149,7 +157,7 @@ PY
       hs export "$checkpoint" --format eagle3 --out "$W/export-$rung" --overwrite
       echo "$checkpoint" > "$W/export-$rung/checkpoint.txt"
       cp "$W/draft-$rung/metrics.jsonl" "$W/export-$rung/" 2>/dev/null
-      hs info "$W/store-$rung" > "$W/export-$rung/store-info.txt" 2>&1
+      hs info "$W/store-${rung%-tokens}" > "$W/export-$rung/store-info.txt" 2>&1
     done
     (cd "$W" && tar czf "$OUT/drafts.tgz" $(for rung in $rungs; do echo "export-$rung"; done)) ;;
   raw-ceiling)

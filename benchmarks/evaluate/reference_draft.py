@@ -29,7 +29,9 @@ from typing import Any
 from benchmarks.common import REPO_ROOT
 from benchmarks.evaluate.acceptance import SETTINGS, acceptance_lengths
 
-RUNGS = ("raw", "greedy", "t1", "mixed")  # mixed: the raw records and the greedy answers together
+# mixed: the raw records and the greedy answers together; <data>-tokens: <data>'s store trained on
+# the records' own next tokens (`teacher: tokens`) rather than the target's distribution.
+RUNGS = ("raw", "greedy", "t1", "mixed", "raw-tokens", "greedy-tokens")
 def evaluate(draft: Path, args: argparse.Namespace, out: Path, settings: list[dict[str, Any]]) -> dict[str, Any]:
     start = time.perf_counter()
     acceptance = acceptance_lengths(
