@@ -99,7 +99,11 @@ case "$stage" in
     for packed in .gpu-data/*.jsonl.xz; do
       [ -f "$packed" ] && xz -dc "$packed" > "$W/$(basename "$packed" .xz)"
     done
-    if [ ! -f "$W/source-raw.jsonl" ] && [[ " ${RUNGS:-raw greedy t1} " == *" raw "* ]]; then
+    rungs=${RUNGS:-raw greedy t1}
+    # A rung <data>-tokens trains on <data>'s store with `teacher: tokens` (the records' own next
+    # tokens as labels, not the target's distribution): one store per data, extracted once.
+    stores=" $(for rung in $rungs; do echo "${rung%-tokens}"; done | sort -u | tr '\n' ' ')"
+    if [ ! -f "$W/source-raw.jsonl" ] && [[ "$stores" == *" raw "* ]]; then
       # The raw rung: the prompts the greedy generation answered, each with its file's own text.
       build_sources "--human-answers 2000" "$W/source-raw-all.jsonl"
       python3 - "$W" <<'PY'
@@ -119,10 +123,6 @@ PY
       [greedy]="${GREEDY_DATA:-$W/gen-greedy}" [t1]="${T1_DATA:-$W/gen-t1}"
     )
     data[mixed]="${data[raw]},${data[greedy]}"  # every prompt twice: its file's text and the target's answer
-    rungs=${RUNGS:-raw greedy t1}
-    # A rung <data>-tokens trains on <data>'s store with `teacher: tokens` (the records' own next
-    # tokens as labels, not the target's distribution): one store per data, extracted once.
-    stores=$(for rung in $rungs; do echo "${rung%-tokens}"; done | sort -u)
     for name in $stores; do
       hs extract recipes/reference/extract.yaml --set "data=[${data[$name]}]" --set "store=$W/store-$name" \
         --set executor=local --set allow_unfinished_generation=true ${EXTRACT_ARGS:-} > "$OUT/extract-$name.log" 2>&1 &
