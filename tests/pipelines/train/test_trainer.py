@@ -76,6 +76,7 @@ def test_loss_falls_and_accuracy_rises(stage1: tuple[Path, dict[str, Any]], caps
     assert summary["steps"] == STAGE1_STEPS and not summary["interrupted"]
     assert 0.0 <= summary["data_wait_frac"] < 1.0 and summary["tokens_per_s"] > 0
     assert summary["compile"] == "off"  # compile: auto, resolved for the CPU
+    assert summary["teacher"] == "final_hidden"  # teacher: auto, resolved against the store
     final = Path(summary["checkpoint"])
     assert final == output_dir / "checkpoints" / "final"
     assert (final / "draft" / "model.safetensors").is_file() and (final / "optimizer.pt").is_file()
@@ -232,16 +233,26 @@ def test_loss_normalization_tokens(reference_store: str, tmp_path: Path) -> None
     assert max(scored["positions"]) <= scored["tokens"]
 
 
-def test_teacher_tokens_trains_on_the_records_own_labels(reference_store: str, tmp_path: Path) -> None:
-    """``teacher: tokens`` trains on the data's next tokens (no target distribution read): the run
-    records the mode, and it scores no more positions than the target's teacher would (a next token
-    outside the draft vocabulary is left out, as an outside argmax is)."""
-    import math
+def test_a_store_of_aux_states_alone_trains_with_teacher_tokens(reference_store: str, tmp_path: Path) -> None:
+    """A store that holds no target distribution (the reference store's real aux states rewritten
+    without the final state) trains with ``teacher: tokens``; ``auto`` refuses it, naming the fix."""
+    import hsstore
+    from hsstore.errors import LineageMismatchError
 
-    summaries, first = {}, {}
-    for mode in ("final_hidden", "tokens"):
-        summaries[mode] = run_training(small_recipe(reference_store, tmp_path / mode, max_steps=1, teacher=mode))
-        first[mode] = read_metrics(tmp_path / mode)[0]
-    assert summaries["tokens"]["teacher"] == "tokens" and summaries["final_hidden"]["teacher"] == "final_hidden"
-    assert math.isfinite(first["tokens"]["loss"]) and first["tokens"]["tokens"] == first["final_hidden"]["tokens"]
-    assert 0 < first["tokens"]["positions"][0] <= first["final_hidden"]["tokens"]
+    source = hsstore.open_store(reference_store)
+    spec = source.features["aux_hidden_states"]
+    lineage = source.lineage.model_copy(update={"target_distribution": "none"})
+    with hsstore.StoreWriter(str(tmp_path / "aux-only"), [spec], lineage) as writer:
+        for index in range(12):
+            sample = source.read_sample(index, ["aux_hidden_states"], as_numpy=True)
+            writer.add_sample(
+                sample_id=sample["sample_id"], source_id=sample["source_id"], input_ids=sample["input_ids"],
+                loss_mask=sample["loss_mask"], features={"aux_hidden_states": sample["aux_hidden_states"]},
+            )
+    store = str(tmp_path / "aux-only")
+    assert set(hsstore.open_store(store).features) == {"aux_hidden_states"}
+    with pytest.raises(LineageMismatchError, match="holds no target distribution"):
+        run_training(small_recipe(store, tmp_path / "auto", max_steps=1))
+    summary = run_training(small_recipe(store, tmp_path / "tokens", max_steps=2, teacher="tokens"))
+    assert summary["teacher"] == "tokens" and summary["steps"] == 2
+    assert all(0 < n for n in read_metrics(tmp_path / "tokens")[-1]["positions"])
