@@ -255,4 +255,4 @@ def test_a_store_of_aux_states_alone_trains_with_teacher_tokens(reference_store:
         run_training(small_recipe(store, tmp_path / "auto", max_steps=1))
     summary = run_training(small_recipe(store, tmp_path / "tokens", max_steps=2, teacher="tokens"))
     assert summary["teacher"] == "tokens" and summary["steps"] == 2
-    assert all(0 < n for n in read_metrics(tmp_path / "tokens")[-1]["positions"])
+    assert all(n > 0 for n in read_metrics(tmp_path / "tokens")[-1]["positions"])
