@@ -56,6 +56,11 @@ def data_fingerprint(recipe: ExtractRecipe) -> str:
                     digest.update(block)
         except FileNotFoundError as err:
             raise RecordSourceError(f"data file {url} does not exist") from err
+        except IsADirectoryError as err:
+            raise RecordSourceError(
+                f"data {url} is a folder: give its JSONL or Parquet files (only a folder that hsstore "
+                "generate wrote reads as its shards)"
+            ) from err
         digest.update(b"\0")
     digest.update(f"limit={recipe.limit}".encode())
     return digest.hexdigest()

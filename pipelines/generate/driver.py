@@ -33,6 +33,7 @@ from pipelines.generate.manifest import (
     GenerationError,
     GenerationLineage,
     GenerationManifest,
+    expand_generated_data,
     read_manifest,
     write_manifest,
 )
@@ -57,10 +58,17 @@ CommitHook = Callable[[UnitOutput], None]
 def run_generation(
     recipe: GenerateRecipe, *, progress: bool = False, on_commit: CommitHook | None = None
 ) -> GenerationSummary:
-    """Run (or resume) the generation the recipe describes; ``on_commit`` runs after each commit."""
+    """Run (or resume) the generation the recipe describes; ``on_commit`` runs after each commit.
+
+    A data folder written by ``hsstore generate`` reads as its committed shards (every assistant
+    turn written again: longer answers, another sampling or another target), and its lineage is
+    kept in this dataset's."""
     from transformers import AutoTokenizer
 
     wall_start = time.perf_counter()
+    files, source_generations = expand_generated_data(recipe.data, recipe.allow_unfinished_generation)
+    if files != recipe.data:
+        recipe = recipe.model_copy(update={"data": files})
     target_dir = resolve_target(recipe.target, recipe.model.revision)
     tokenizer_dir = recipe.prompting.tokenizer or target_dir
     tokenizer = AutoTokenizer.from_pretrained(
@@ -70,6 +78,7 @@ def run_generation(
     max_context = recipe.prompting.max_context or int(config.get("max_position_embeddings") or 4096)
     stop_ids = stop_token_ids(target_dir, tokenizer, recipe.sampling.stop_token_ids)
     lineage = build_lineage(recipe, target_dir, tokenizer_dir, tokenizer, max_context, stop_ids)
+    lineage = lineage.model_copy(update={"source_generations": source_generations})
     location = StoreLocation(recipe.output)
     manifest = _reconcile(location, lineage, recipe)
     done = {shard.unit_index for shard in manifest.shards}

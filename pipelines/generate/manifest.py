@@ -66,6 +66,10 @@ class GenerationLineage(BaseModel):
     max_context: int
     source_fingerprint: str = Field(description="sha256 of the input files' bytes and the limit")
     code_version: str
+    source_generations: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="the lineage of each input folder that hsstore generate wrote (answers written again)",
+    )
 
 
 class GenerationManifest(BaseModel):
@@ -138,7 +142,7 @@ def expand_generated_data(
             raise GenerationError(
                 f"{location.path(MANIFEST_NAME)}: the generation is not finished "
                 f"({len(manifest.shards)} units committed); rerun hsstore generate with its recipe, "
-                "or set allow_unfinished_generation: true to extract the committed units alone"
+                "or set allow_unfinished_generation: true to read the committed units alone"
             )
         shards = sorted(manifest.shards, key=lambda s: s.unit_index)
         base = url.rstrip("/")

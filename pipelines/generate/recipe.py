@@ -126,6 +126,11 @@ class GenerateRecipe(RecipeModel):
     data: list[str] = Field(min_length=1, description="JSONL / Parquet files or fsspec URLs")
     output: str = Field(description="the generated dataset's folder (created; resumed when rerun)")
     limit: int | None = Field(None, ge=1, description="read at most this many records (smoke runs)")
+    allow_unfinished_generation: bool = Field(
+        False,
+        description="read a folder of hsstore generate whose run stopped early (cut by a time limit) "
+        "as its committed units (a data folder of hsstore generate reads as its shards)",
+    )
     backend: Literal["transformers", "openai"] = Field(
         "transformers",
         description="transformers: the target loaded here (executor picks where); "

@@ -219,6 +219,34 @@ def test_extract_reads_the_generated_dataset_and_records_who_wrote_it(greedy_run
     assert "(unfinished: 2 units)" in format_info(store_info(manifest, extract.store))
 
 
+def test_a_generated_folder_is_answered_again_with_longer_answers(greedy_run: Any, tmp_path: Path) -> None:
+    """A folder hsstore generate wrote is data for another run (here longer answers): its committed
+    shards are read, every assistant turn is written again, and the new lineage keeps the old.
+    Greedy decoding continues the same way, so a one-answer record's new answer extends the old."""
+    from pipelines.extract.records import RecordSourceError
+
+    recipe, _ = greedy_run
+    longer = make_recipe([recipe.output], tmp_path / "longer", "sampling.max_new_tokens=20")
+    summary = run_generation(longer)
+    assert summary.num_written == 5 and summary.rejected == {}
+    old = {r["id"]: r for r in read_output(Path(recipe.output))}
+    new = {r["id"]: r for r in read_output(tmp_path / "longer")}
+    assert new.keys() == old.keys()
+    for key, row in new.items():
+        if "prompt" in row:  # a raw prefix and its continuation
+            assert row["prompt"] == old[key]["prompt"] and row["completion"].startswith(old[key]["completion"])
+        elif len(row["messages"]) == 2:
+            assert row["messages"][1]["content"].startswith(old[key]["messages"][1]["content"])
+        assert row["generation"]["num_new_tokens"] >= old[key]["generation"]["num_new_tokens"]
+    assert any(len(r.get("completion", "")) > len(old[k].get("completion", "")) for k, r in new.items())
+    manifest = read_manifest(StoreLocation(longer.output))
+    assert manifest is not None and manifest.lineage.sampling["max_new_tokens"] == 20
+    (source,) = manifest.lineage.source_generations
+    assert source["dataset"] == recipe.output and source["sampling"]["max_new_tokens"] == 12 and source["complete"]
+    with pytest.raises(RecordSourceError, match="is a folder: give its JSONL or Parquet files"):
+        run_generation(make_recipe([str(tmp_path)], tmp_path / "not-data"))
+
+
 def test_a_sigkilled_run_resumes_exactly(dataset: Any, tmp_path: Path, greedy_run: Any) -> None:
     """A real SIGKILL of ``hsstore generate`` mid-run; the rerun skips the committed units and
     ends with exactly the dataset an uninterrupted run writes."""
