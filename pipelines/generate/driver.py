@@ -274,6 +274,13 @@ def _run_units(
         write_manifest(location, state["manifest"])  # the commit point
         summary.num_units_written += 1
         summary.new_tokens_this_run += shard.num_new_tokens
+        # A line per commit: what a cluster job's log shows where there is no progress bar.
+        elapsed = time.perf_counter() - start
+        logger.info(
+            "unit %d committed: %d answers, %d new tokens (%d records cut short); this run %d new tokens "
+            "in %.0f s (%.0f tokens/s)", shard.unit_index, shard.num_answers, shard.num_new_tokens,
+            shard.num_truncated, summary.new_tokens_this_run, elapsed, summary.new_tokens_this_run / max(elapsed, 1e-9),
+        )
         shown = min(shown_uncommitted, shard.num_new_tokens)
         shown_uncommitted -= shown
         bar.update(shard.num_new_tokens - shown)

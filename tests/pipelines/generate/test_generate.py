@@ -219,7 +219,9 @@ def test_extract_reads_the_generated_dataset_and_records_who_wrote_it(greedy_run
     assert "(unfinished: 2 units)" in format_info(store_info(manifest, extract.store))
 
 
-def test_a_generated_folder_is_answered_again_with_longer_answers(greedy_run: Any, tmp_path: Path) -> None:
+def test_a_generated_folder_is_answered_again_with_longer_answers(
+    greedy_run: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A folder hsstore generate wrote is data for another run (here longer answers): its committed
     shards are read, every assistant turn is written again, and the new lineage keeps the old.
     Greedy decoding continues the same way, so a one-answer record's new answer extends the old."""
@@ -227,8 +229,11 @@ def test_a_generated_folder_is_answered_again_with_longer_answers(greedy_run: An
 
     recipe, _ = greedy_run
     longer = make_recipe([recipe.output], tmp_path / "longer", "sampling.max_new_tokens=20")
-    summary = run_generation(longer)
+    with caplog.at_level("INFO", logger="pipelines.generate.driver"):
+        summary = run_generation(longer)
     assert summary.num_written == 5 and summary.rejected == {}
+    # Each commit is logged (a cluster job's log has no progress bar).
+    assert [line for line in caplog.messages if " committed: " in line][0].startswith("unit 0 committed: 4 answers")
     old = {r["id"]: r for r in read_output(Path(recipe.output))}
     new = {r["id"]: r for r in read_output(tmp_path / "longer")}
     assert new.keys() == old.keys()
