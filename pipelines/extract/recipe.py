@@ -87,10 +87,11 @@ class CaptureSection(RecipeModel):
         None, description="hidden_states indices (0 = embeddings); default [2, L//2, L-3]"
     )
     final_hidden_state: bool = Field(True, description="store the post-norm final hidden state")
-    target_distribution: Literal["final_hidden", "topk"] = Field(
+    target_distribution: Literal["final_hidden", "topk", "none"] = Field(
         "final_hidden",
         description="final_hidden: the trainer rebuilds logits with the lm_head; "
-        "topk: also run the lm_head here and keep the top-k logits and ids",
+        "topk: also run the lm_head here and keep the top-k logits and ids; "
+        "none: no distribution (aux states only; train with teacher: tokens)",
     )
     topk_k: int = Field(20, ge=1, description="k for target_distribution=topk")
     topk_chunk_tokens: int = Field(
@@ -101,6 +102,9 @@ class CaptureSection(RecipeModel):
     def _final_needed(self) -> CaptureSection:
         if self.target_distribution == "final_hidden" and not self.final_hidden_state:
             raise ValueError("target_distribution=final_hidden needs final_hidden_state: true")
+        if self.target_distribution == "none" and self.final_hidden_state:
+            # A stored final state is a distribution (the trainer's auto would read it): say so.
+            raise ValueError("target_distribution=none stores no distribution: set final_hidden_state: false")
         return self
 
 

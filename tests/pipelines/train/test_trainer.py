@@ -233,26 +233,27 @@ def test_loss_normalization_tokens(reference_store: str, tmp_path: Path) -> None
     assert max(scored["positions"]) <= scored["tokens"]
 
 
-def test_a_store_of_aux_states_alone_trains_with_teacher_tokens(reference_store: str, tmp_path: Path) -> None:
-    """A store that holds no target distribution (the reference store's real aux states rewritten
-    without the final state) trains with ``teacher: tokens``; ``auto`` refuses it, naming the fix."""
+def test_a_store_of_aux_states_alone_trains_with_teacher_tokens(records_path: Path, tmp_path: Path) -> None:
+    """``capture.target_distribution: none`` extracts the aux states alone (a real extraction of the
+    reference target); such a store trains with ``teacher: tokens``, and ``auto`` refuses it by name."""
     import hsstore
     from hsstore.errors import LineageMismatchError
+    from pipelines.extract import ExtractRecipe, run_extraction
+    from pipelines.recipe import RecipeError, build_recipe
 
-    source = hsstore.open_store(reference_store)
-    spec = source.features["aux_hidden_states"]
-    lineage = source.lineage.model_copy(update={"target_distribution": "none"})
-    with hsstore.StoreWriter(str(tmp_path / "aux-only"), [spec], lineage) as writer:
-        for index in range(12):
-            sample = source.read_sample(index, ["aux_hidden_states"], as_numpy=True)
-            writer.add_sample(
-                sample_id=sample["sample_id"], source_id=sample["source_id"], input_ids=sample["input_ids"],
-                loss_mask=sample["loss_mask"], features={"aux_hidden_states": sample["aux_hidden_states"]},
-            )
-    store = str(tmp_path / "aux-only")
-    assert set(hsstore.open_store(store).features) == {"aux_hidden_states"}
+    base = {
+        "target": str(REFERENCE_TARGET), "data": [str(records_path)], "store": str(tmp_path / "aux-only"),
+        "limit": 12, "executor": "local", "model": {"dtype": "float32", "device": "cpu"},
+        "capture": {"aux_layer_ids": [2, 4, 5], "target_distribution": "none", "final_hidden_state": False},
+        "batching": {"max_length": 256, "too_long": "truncate", "token_budget": 2048},
+    }
+    with pytest.raises(RecipeError, match="target_distribution=none stores no distribution"):
+        build_recipe(ExtractRecipe, {**base, "capture": {"target_distribution": "none"}})
+    run_extraction(build_recipe(ExtractRecipe, base))
+    store = hsstore.open_store(base["store"])
+    assert set(store.features) == {"aux_hidden_states"} and store.lineage.target_distribution == "none"
     with pytest.raises(LineageMismatchError, match="holds no target distribution"):
-        run_training(small_recipe(store, tmp_path / "auto", max_steps=1))
-    summary = run_training(small_recipe(store, tmp_path / "tokens", max_steps=2, teacher="tokens"))
+        run_training(small_recipe(base["store"], tmp_path / "auto", max_steps=1))
+    summary = run_training(small_recipe(base["store"], tmp_path / "tokens", max_steps=2, teacher="tokens"))
     assert summary["teacher"] == "tokens" and summary["steps"] == 2
     assert all(n > 0 for n in read_metrics(tmp_path / "tokens")[-1]["positions"])
