@@ -57,7 +57,8 @@ def choose_teacher(store: Store, requested: TeacherChoice) -> TeacherMode:
             return mode
     raise LineageMismatchError(
         f"{store.url}: holds no target distribution (final_hidden_state, topk_logits/topk_ids or "
-        f"draft_probs); found {sorted(present)}. Re-extract with capture.final_hidden_state: true"
+        f"draft_probs); found {sorted(present)}. Re-extract with capture.final_hidden_state: true, or "
+        "train on the records' own next tokens with teacher: tokens"
     )
 
 
