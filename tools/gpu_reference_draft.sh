@@ -159,7 +159,12 @@ PY
       cp "$W/draft-$rung/metrics.jsonl" "$W/export-$rung/" 2>/dev/null
       hs info "$W/store-${rung%-tokens}" > "$W/export-$rung/store-info.txt" 2>&1
     done
-    (cd "$W" && tar czf "$OUT/drafts.tgz" $(for rung in $rungs; do echo "export-$rung"; done)) ;;
+    # Two exports a file (~5 MB each): a file that comes back from a device call holds at most 16 MiB.
+    set -- $rungs; part=0
+    while [ $# -gt 0 ]; do
+      pair="export-$1"; shift; [ $# -gt 0 ] && { pair="$pair export-$1"; shift; }
+      part=$(( part + 1 )); (cd "$W" && tar czf "$OUT/drafts-$part.tgz" $pair)
+    done ;;
   raw-ceiling)
     # The two drafts the acceptance ceiling is compared with, in one call (LOG, 2026-12-04):
     # - the raw rung, rebuilt by the ladder's recipe: the prompts the greedy generation answered (the
