@@ -277,7 +277,8 @@ class TokenTeacherRows:
         target_to_draft = torch.full((t2d.shape[0],), -1, dtype=torch.long, device=device)
         target_to_draft[draft_vocab_ids(d2t.to(device))] = torch.arange(V_draft, device=device)
         next_ids_BT = torch.roll(input_ids_BT.long(), -1, dims=1)
-        next_draft_BT = target_to_draft[next_ids_BT.clamp(0, t2d.shape[0] - 1)]
+        known = (next_ids_BT >= 0) & (next_ids_BT < t2d.shape[0])  # an id past the vocabulary teaches nothing
+        next_draft_BT = torch.where(known, target_to_draft[next_ids_BT.clamp(0, t2d.shape[0] - 1)], -1)
         next_draft_BT[:, -1] = -1  # a row's last position has no next token in the row
         self.next_draft_N = next_draft_BT.reshape(-1)
         self.valid_BT = next_draft_BT >= 0

@@ -128,3 +128,8 @@ def test_tokens_teacher_is_one_hot_on_the_next_token_inside_the_draft_vocabulary
     assert torch.equal(probs.argmax(-1)[both], exact.probs_BTV.argmax(-1)[both])
     with pytest.raises(ValueError, match="needs the batch's input_ids"):
         teacher_rows(TeacherMode.TOKENS, {}, d2t=vocab.d2t, t2d=vocab.t2d)
+    # An id past the target's vocabulary (a mismatched tokenizer) is never a label.
+    beyond = input_ids.clone()
+    beyond[0, 1] = V
+    _, valid_beyond = teacher_rows(TeacherMode.TOKENS, {}, d2t=vocab.d2t, t2d=vocab.t2d, input_ids_BT=beyond)
+    assert not valid_beyond[0, 0] and torch.equal(valid_beyond[1:], valid[1:])
