@@ -204,14 +204,22 @@ def run_training(recipe: TrainRecipe, *, stop_at_step: int | None = None) -> dic
             print(summary_text(summary, run.stage.metrics.accuracy_label))
         return summary
     finally:
-        if run is not None and run.recipe.compile == "graph" and device.type == "cuda":
+        graphs = run is not None and run.recipe.compile == "graph" and device.type == "cuda"
+        # The DDP wrapper (its reducer holds gloo work) must be gone before the group is destroyed:
+        # alive at destroy_process_group, a rank now and then aborted at exit after a finished run
+        # ("terminate called without an active exception", SIGABRT: a scheduler sees a failed job).
+        run = None
+        if graphs:
             # The step's CUDA graphs keep their memory pool (most of the step's peak) until dynamo
             # is reset; a process that trains again (a sequential sweep's next point) would
             # otherwise carry one pool per run. The next run compiles again (inductor's cache helps).
             torch._dynamo.reset()
         if dist_state.owns_group:
+            import gc
+
             import torch.distributed as dist
 
+            gc.collect()  # the wrapper's hooks hold cycles: freed now, not at some later collection
             dist.destroy_process_group()
 
 
