@@ -51,6 +51,14 @@ def draft_vocab_ids(d2t: torch.Tensor) -> torch.Tensor:
     return torch.arange(d2t.shape[0], device=d2t.device) + d2t
 
 
+def target_to_draft_ids(d2t: torch.Tensor, t2d: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Long ``[V_target]``: each target id's draft id, -1 for ids outside the draft vocabulary."""
+    V_draft = d2t.shape[0]
+    target_to_draft = torch.full((t2d.shape[0],), -1, dtype=torch.long, device=device)
+    target_to_draft[draft_vocab_ids(d2t.to(device))] = torch.arange(V_draft, device=device)
+    return target_to_draft
+
+
 def teacher_from_final_hidden(
     final_hidden_BTH: torch.Tensor,
     lm_head_VH: torch.Tensor,
@@ -94,9 +102,7 @@ def teacher_from_topk(
     """Teacher from the k stored logits and their target ids (any order)."""
     device = topk_logits_BTK.device
     V_draft = d2t.shape[0]
-    target_to_draft = torch.full((t2d.shape[0],), -1, dtype=torch.long, device=device)
-    target_to_draft[draft_vocab_ids(d2t.to(device))] = torch.arange(V_draft, device=device)
-    draft_ids_BTK = target_to_draft[topk_ids_BTK.long()]
+    draft_ids_BTK = target_to_draft_ids(d2t, t2d, device)[topk_ids_BTK.long()]
     inside = draft_ids_BTK >= 0
     logits = topk_logits_BTK.float().masked_fill(~inside, float("-inf"))
     top1 = topk_logits_BTK.float().argmax(dim=-1, keepdim=True)
@@ -272,17 +278,14 @@ class TokenTeacherRows:
     lies in the draft vocabulary (the draft could never propose another)."""
 
     def __init__(self, input_ids_BT: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        device = input_ids_BT.device
-        V_draft = d2t.shape[0]
-        target_to_draft = torch.full((t2d.shape[0],), -1, dtype=torch.long, device=device)
-        target_to_draft[draft_vocab_ids(d2t.to(device))] = torch.arange(V_draft, device=device)
+        target_to_draft = target_to_draft_ids(d2t, t2d, input_ids_BT.device)
         next_ids_BT = torch.roll(input_ids_BT.long(), -1, dims=1)
         known = (next_ids_BT >= 0) & (next_ids_BT < t2d.shape[0])  # an id past the vocabulary teaches nothing
         next_draft_BT = torch.where(known, target_to_draft[next_ids_BT.clamp(0, t2d.shape[0] - 1)], -1)
         next_draft_BT[:, -1] = -1  # a row's last position has no next token in the row
         self.next_draft_N = next_draft_BT.reshape(-1)
         self.valid_BT = next_draft_BT >= 0
-        self.vocab_size = V_draft
+        self.vocab_size = d2t.shape[0]
 
     def probs(self, rows_N: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         ids = self.next_draft_N[rows_N]
